@@ -1,0 +1,146 @@
+"""Running one API request as several engine requests (one per prompt and choice) and gathering
+their DELTA outputs per choice.
+
+Whatever way a request ends (finished, client gone, error, server shutdown), every engine request
+it started is aborted in a ``finally``: aborting a finished request is a no-op, and this is what
+guarantees no slot outlives its HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from nxdserve.engine.outputs import Logprob, LogprobsList, RequestOutput
+from nxdserve.errors import RequestFailedError
+from nxdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass
+class EngineCall:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    add_special_tokens: bool = True
+
+
+def start_requests(engine: Any, calls: Sequence[EngineCall]) -> list[RequestStream]:
+    """Enqueue every call or none: if one is refused (validation, queue full), abort the ones
+    already enqueued and re-raise."""
+    streams: list[RequestStream] = []
+    try:
+        for call in calls:
+            streams.append(
+                engine.add_request(
+                    call.prompt,
+                    call.params,
+                    request_id=call.request_id,
+                    add_special_tokens=call.add_special_tokens,
+                )
+            )
+    except BaseException:
+        abort_all(streams)
+        raise
+    return streams
+
+
+def abort_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        try:
+            stream.abort()
+        except Exception:  # abort must never mask the error that brought us here
+            logger.exception("abort failed")
+
+
+async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (choice index, output) from all streams as outputs arrive, until each has finished.
+    Closing this generator early aborts every stream."""
+    try:
+        if len(streams) == 1:  # the common case: no helper tasks
+            async for out in streams[0]:
+                yield 0, out
+            return
+        iterators = [s.__aiter__() for s in streams]
+        pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=pending.__getitem__):
+                    i = pending.pop(task)
+                    try:
+                        out = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, out
+                    if not out.finished:
+                        pending[asyncio.ensure_future(anext(iterators[i]))] = i
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        abort_all(streams)
+
+
+@dataclass
+class ChoiceState:
+    """Everything generated so far for one choice."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: LogprobsList = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def update(self, out: RequestOutput) -> None:
+        if out.error is not None or (out.outputs and out.outputs[0].finish_reason == "error"):
+            raise RequestFailedError(out.error or "The request failed in the engine.")
+        if not self.prompt_token_ids:
+            self.prompt = out.prompt
+            self.prompt_token_ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(out.prompt_logprobs)  # type: ignore[arg-type]
+        if not out.outputs:
+            return
+        delta = out.outputs[0]
+        self.text_parts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        self.num_tokens = delta.cumulative_num_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[ChoiceState]:
+    """Run all streams to the end (non-streaming requests). Raises RequestFailedError on the first
+    engine error, aborting the others."""
+    states = [ChoiceState(index=i) for i in range(len(streams))]
+    outputs = merge(streams)
+    try:
+        async for i, out in outputs:
+            states[i].update(out)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    return states

@@ -1,0 +1,191 @@
+"""From a validated request model to engine inputs: checks the schema cannot express, the
+SamplingParams with generation-config defaults applied, and the n-way fan-out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from nxdserve.api.errors import APIError
+from nxdserve.api.protocol import (
+    INT64_MIN,
+    ChatCompletionRequest,
+    CompletionPrompt,
+    CompletionRequest,
+    SamplingRequest,
+)
+from nxdserve.sampling_params import SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+# Each choice is one engine request; bound the fan-out so one request cannot flood the queue.
+MAX_CHOICES_PER_REQUEST = 256
+EMPTY_PROMPT_MESSAGE = "Either prompt or prompt_embeds must be provided and non-empty."
+# vLLM's _DEFAULT_SAMPLING_PARAMS: used when neither the request nor generation_config.json sets one.
+_VLLM_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+PromptInput = str | list[int]
+
+
+def check_common(req: SamplingRequest) -> None:
+    """vLLM's request-level checks shared by both generation endpoints."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    if req.use_beam_search:
+        raise APIError("Beam search is not supported.", param="use_beam_search")
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise APIError(
+            f"response_format type {fmt.type!r} is not supported yet; only 'text' is.",
+            param="response_format",
+        )
+    if req.n < 1:
+        raise APIError(f"n must be at least 1, got {req.n}.", param="n")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.suffix is not None:
+        raise APIError("suffix is not currently supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of is not supported; it must be unset or equal to n.", param="best_of")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+    if req.max_tokens is not None and req.max_tokens < 0:
+        raise APIError(f"max_tokens must be at least 0, got {req.max_tokens}.", param="max_tokens")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if not req.messages:
+        raise APIError("messages must contain at least one message.", param="messages")
+    if req.add_generation_prompt and req.continue_final_message:
+        raise APIError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    if req.chat_template is not None:
+        raise APIError("A per-request chat_template is not supported.", param="chat_template")
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not (choice == "auto" and not req.tools):
+        raise APIError("Tool calling (tool_choice) is not supported yet.", param="tool_choice")
+
+
+def normalize_prompts(prompt: CompletionPrompt | None, vocab_size: int) -> list[PromptInput]:
+    """A completion prompt in any of its four shapes, as a list of engine prompts."""
+    if prompt is None or (isinstance(prompt, str | list) and len(prompt) == 0):
+        raise APIError(EMPTY_PROMPT_MESSAGE, param="prompt")
+    if isinstance(prompt, str):
+        prompts: list[PromptInput] = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+    for p in prompts:
+        if len(p) == 0:
+            raise APIError(EMPTY_PROMPT_MESSAGE, param="prompt")
+        if isinstance(p, list):
+            check_token_ids(p, vocab_size, param="prompt")
+    return prompts
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for tid in token_ids:
+        if not 0 <= tid < vocab_size:
+            raise APIError(f"Token id {tid} is out of vocabulary (vocab size {vocab_size}).", param=param)
+
+
+def _logit_bias(raw: Mapping[str, float] | None) -> dict[int, float] | None:
+    if not raw:
+        return None
+    try:
+        return {int(k): float(v) for k, v in raw.items()}
+    except ValueError as exc:
+        raise APIError(f"logit_bias keys must be token ids: {exc}", param="logit_bias") from exc
+
+
+def _pick(name: str, value: Any, defaults: Mapping[str, float | int]) -> Any:
+    return value if value is not None else defaults.get(name, _VLLM_DEFAULTS[name])
+
+
+def build_sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    defaults: Mapping[str, float | int],
+    vocab_size: int,
+    max_logprobs: int,
+) -> SamplingParams:
+    """The request's SamplingParams (n as requested), validated. Raises InvalidRequestError."""
+    if isinstance(req, CompletionRequest):
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = int(defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
+        elif max_tokens == 0 and req.echo:
+            max_tokens = 1  # vLLM: echo with max_tokens=0 generates one token and drops it
+        logprobs = req.logprobs
+        # echo returns the prompt's tokens too, so their logprobs come with it (vLLM's rule).
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = logprobs
+    else:
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None and "max_tokens" in defaults:
+            max_tokens = int(defaults["max_tokens"])
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        n=req.n,
+        temperature=_pick("temperature", req.temperature, defaults),
+        top_p=_pick("top_p", req.top_p, defaults),
+        top_k=_pick("top_k", req.top_k, defaults),
+        min_p=_pick("min_p", req.min_p, defaults),
+        repetition_penalty=_pick("repetition_penalty", req.repetition_penalty, defaults),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=_logit_bias(req.logit_bias),
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+    )
+    params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
+    return params
+
+
+def _wrap_int64(value: int) -> int:
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """One single-choice SamplingParams per choice; with a seed, child i gets seed + i (vLLM's rule)."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else _wrap_int64(params.seed + i))
+        for i in range(params.n)
+    ]
+
+
+def check_fan_out(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+        raise APIError(
+            f"A request may ask for at most {MAX_CHOICES_PER_REQUEST} choices (prompts x n); "
+            f"got {num_prompts} x {n}.",
+            param="n",
+        )
+

@@ -1,0 +1,122 @@
+"""Request models for the OpenAI-compatible endpoints, with vLLM's extra sampling fields.
+
+Pydantic checks types and the few bounds vLLM puts in the schema (seed within int64); range checks
+on sampling values are SamplingParams.validate's, so the engine and the API say the same thing.
+Unknown fields are accepted and ignored (``extra="allow"``), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+TokenIds = list[int]
+CompletionPrompt = str | list[str] | TokenIds | list[TokenIds]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(OpenAIModel):
+    type: str = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    # None: take the model's generation_config.json default, else vLLM's.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    use_beam_search: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: CompletionPrompt | None = None
+    max_tokens: int | None = None  # None: 16 (OpenAI's and vLLM's completions default)
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # takes precedence over the deprecated max_tokens
+    max_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    return_token_strs: bool | None = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+RequestKind = Literal["completion", "chat"]

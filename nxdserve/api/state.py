@@ -1,0 +1,92 @@
+"""What every handler needs: the engine, the names it is served under, and per-request ids."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from nxdserve.api.errors import APIError, format_validation_error, model_not_found
+
+REQUEST_ID_HEADER = "x-request-id"
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerState:
+    engine: Any  # nxdserve.AsyncEngine (duck-typed so framing tests can use a stand-in)
+    served_model_names: list[str]
+    api_key: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_logprobs(self) -> int:
+        return int(self.engine.config.max_logprobs)
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The name to echo in responses; 404 for a name this server does not serve."""
+        if requested is None or requested == "":
+            return self.model_name
+        if requested not in self.served_model_names:
+            raise model_not_found(requested)
+        return requested
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.nxdserve  # type: ignore[no-any-return]
+
+
+def client_request_id(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("client_request_id")
+
+
+def base_request_id(request: Request) -> str:
+    """X-Request-Id if the client sent one (vLLM's rule), else a fresh uuid."""
+    return client_request_id(request) or uuid.uuid4().hex
+
+
+def engine_request_ids(request: Request, response_id: str, count: int) -> list[str]:
+    """Engine ids for the request's choices. Clients may reuse an X-Request-Id, so ids built from
+    one get a random suffix to stay unique inside the engine."""
+    base = response_id if client_request_id(request) is None else f"{response_id}-{uuid.uuid4().hex[:8]}"
+    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 in the error envelope (never Starlette's defaults)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _is_json(content_type):
+        raise APIError(f"Unsupported Media Type: {content_type!r}; only 'application/json' is allowed.")
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise APIError("The request body must be a JSON object.")
+    return data
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    data = await read_json(request)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise format_validation_error(exc) from exc

@@ -1,0 +1,110 @@
+"""Server-sent events and client-disconnect handling.
+
+Starlette cancels a StreamingResponse on disconnect only for ASGI < 2.4 servers, and never cancels a
+plain handler, so a request whose client went away would keep its engine slot until it finished.
+Both helpers here watch ``receive()`` for ``http.disconnect`` themselves and cancel the work at
+once; the work's ``finally`` blocks then abort the engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DONE_FRAME = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_frame(payload: BaseModel | Mapping[str, Any]) -> str:
+    """One SSE event: ``data: <json>`` and a blank line, as OpenAI frames it."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json(exclude_unset=True)
+    else:
+        data = json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel_on_disconnect(work: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
+    """Run ``work`` until it finishes or the client disconnects, whichever comes first.
+
+    Returns (finished, result); exceptions from ``work`` propagate unchanged. Plain tasks rather
+    than an anyio task group, which would wrap them in an ExceptionGroup that the app's exception
+    handlers would not recognise.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # Also reached when the handler itself is cancelled (server shutdown): stop both.
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+        await asyncio.gather(work_task, watch_task, return_exceptions=True)
+    if work_task.cancelled():
+        logger.debug("client disconnected; work cancelled")
+        return False, None
+    return True, work_task.result()
+
+
+class EventStreamResponse:
+    """An ASGI response that sends ``frames`` as ``text/event-stream`` and stops, closing the frame
+    generator (and so aborting its engine requests), as soon as the client disconnects."""
+
+    def __init__(
+        self,
+        frames: AsyncIterator[str],
+        headers: Mapping[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.frames = frames
+        # Runs however the response ends, even if ``frames`` never started (a generator that never
+        # ran does not run its ``finally`` on aclose), so engine requests are always released.
+        self.on_close = on_close
+        self.headers = {**SSE_HEADERS, **(headers or {})}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+            async for frame in self.frames:
+                await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await _cancel_on_disconnect(pump(), receive)
+        except OSError:  # the transport closed between the watcher's last look and a send
+            logger.debug("client disconnected while sending")
+        finally:
+            try:
+                await self.frames.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work`` while watching for the client to go away; on disconnect, cancel it (its
+    ``finally`` aborts the engine requests) and return None: nobody is left to answer."""
+    _, result = await _cancel_on_disconnect(work, request.receive)
+    return result

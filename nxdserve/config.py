@@ -1,0 +1,96 @@
+"""Engine configuration: one dataclass with vLLM's field names, resolved once at startup."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nxdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+BackendName = Literal["auto", "torch", "nxd"]
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_CHUNKED_BATCHED_TOKENS = 512
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None
+    served_model_name: list[str] = field(default_factory=list)
+    backend: BackendName = "auto"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # torch backend: auto | cpu | cuda
+    max_model_len: int | None = None  # None: min(model's max positions, 2048)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: 512 chunked, max_model_len prefill-first
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap on a chunk
+    max_num_partial_prefills: int = 1
+    max_consecutive_prefill_steps: int = 1  # prefill-first anti-starvation
+    max_waiting: int | None = None  # None: unbounded queue
+    seed: int = 0
+    max_logprobs: int = 20
+    generation_config: Literal["auto", "vllm"] = "auto"
+    speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    override_neuron_config: dict[str, Any] | None = None
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def resolve(self, model_max_positions: int | None, backend_max_len: int | None = None) -> EngineConfig:
+        """Fill defaults that depend on the model and check the whole config. Returns self."""
+        limit = model_max_positions or DEFAULT_MAX_MODEL_LEN
+        if backend_max_len is not None:
+            limit = min(limit, backend_max_len)
+        if self.max_model_len is None:
+            self.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+        elif model_max_positions is not None and self.max_model_len > model_max_positions:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={model_max_positions}."
+            )
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                max(DEFAULT_CHUNKED_BATCHED_TOKENS, self.max_num_seqs)
+                if self.enable_chunked_prefill
+                else max(self.max_model_len, self.max_num_seqs)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # vLLM refuses to start here; a whole prompt must fit one step, so raise the budget instead.
+            logger.info(
+                "prefill-first: raising max_num_batched_tokens from %d to max_model_len=%d so any prompt fits "
+                "one step",
+                self.max_num_batched_tokens,
+                self.max_model_len,
+            )
+            self.max_num_batched_tokens = self.max_model_len
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})."
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be non-negative.")
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError("max_num_partial_prefills must be at least 1.")
+        if self.max_consecutive_prefill_steps < 1:
+            raise ConfigError("max_consecutive_prefill_steps must be at least 1.")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ConfigError("max_waiting must be non-negative.")
+        return self
+
+    @property
+    def scheduling_mode(self) -> str:
+        return "chunked" if self.enable_chunked_prefill else "prefill-first"
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        if not self.speculative_config:
+            return 0
+        return int(self.speculative_config.get("num_speculative_tokens", 0))

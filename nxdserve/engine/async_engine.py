@@ -1,0 +1,335 @@
+"""AsyncEngine: the embedded API. One engine-loop task; the model forward runs in a worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from nxdserve.config import EngineConfig
+from nxdserve.engine.core import EngineCore, EngineStats
+from nxdserve.engine.outputs import RequestOutput
+from nxdserve.errors import EngineDeadError, InvalidRequestError
+from nxdserve.sampling_params import OutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+_LOG_INTERVAL_S = 10.0
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Fold a later delta output into an earlier one (a slow consumer gets one combined delta)."""
+    ca, cb = a.outputs[0], b.outputs[0]
+    ca.text += cb.text
+    ca.token_ids = ca.token_ids + cb.token_ids
+    ca.cumulative_num_tokens = cb.cumulative_num_tokens
+    if cb.logprobs is not None:
+        ca.logprobs = (ca.logprobs or []) + cb.logprobs
+    ca.finish_reason, ca.stop_reason = cb.finish_reason, cb.stop_reason
+    a.finished = b.finished
+    a.error = b.error
+    a.metrics = b.metrics
+    if a.prompt_logprobs is None:
+        a.prompt_logprobs = b.prompt_logprobs
+    return a
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Closing it before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, merge_deltas: bool) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._merge = merge_deltas
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while self._merge and isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                item = nxt
+                break
+            item = _merge(item, nxt)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core: EngineCore | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_aborts: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._accepting = False
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        self.model_path = ""
+        self.tokenizer: Any = None
+        self.generation_defaults: dict[str, float | int] = {}
+        self._last_log = time.monotonic()
+        self._last_log_tokens = (0, 0)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        from nxdserve.engine.loader import build_engine_core
+
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxdserve-model")
+        loop = asyncio.get_running_loop()
+        # Load in the model thread: heavy, and some backends bind state to the thread that loads them.
+        self.core, files = await loop.run_in_executor(self._executor, build_engine_core, self.config)
+        self.model_path = str(files.path)
+        self.tokenizer = files.tokenizer
+        self.generation_defaults = files.generation_defaults
+        self._accepting = True
+        self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
+        logger.info(
+            "engine ready: backend=%s mode=%s max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
+            self.backend_name, self.config.scheduling_mode, self.max_model_len, self.core.batch.max_num_seqs,
+            self.config.max_num_batched_tokens,
+        )
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def shutdown(self, drain_timeout: float | None = None) -> None:
+        """Stop accepting, let in-flight requests finish for up to drain_timeout, abort the rest."""
+        self._accepting = False
+        if drain_timeout and self.core is not None and self._loop_task is not None:
+            deadline = time.monotonic() + drain_timeout
+            while self.core.has_unfinished and not self._loop_task.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._stopping = True
+        self._wakeup.set()
+        if self._loop_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+        if self._executor is not None:
+            if self.core is not None:
+                self._executor.submit(self.core.backend.shutdown)
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- properties the API reads ----------------------------------------------------------------
+    @property
+    def _core(self) -> EngineCore:
+        if self.core is None:
+            raise EngineDeadError("the engine is not started")
+        return self.core
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def backend_name(self) -> str:
+        return self._core.backend.name
+
+    @property
+    def metrics(self) -> Any:
+        return self._core.metrics
+
+    def stats(self) -> EngineStats:
+        return self._core.stats()
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true.",
+                param="continue_final_message",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors, bad roles: the caller's input
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+        return str(text)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Validate and enqueue now; raises a typed error instead of returning a stream."""
+        if self.dead_error is not None or (self._loop_task is not None and self._loop_task.done()):
+            raise EngineDeadError(f"the engine loop is dead: {self.dead_error}")
+        if not self._accepting:
+            raise EngineDeadError("the engine is not accepting requests (starting or shutting down)")
+        core = self._core
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            token_ids = self.encode(prompt, add_special_tokens) if prompt else []
+        else:
+            prompt_text, token_ids = None, list(prompt)
+        if request_id is not None and request_id in self._streams:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
+        request = core.make_request(token_ids, params, request_id)
+        stream = RequestStream(self, request.request_id, params.output_kind is OutputKind.DELTA)
+        self._streams[request.request_id] = stream
+        core.add_request(request, prompt_text)
+        self._wakeup.set()
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(prompt, params or SamplingParams(), request_id, add_special_tokens)
+        try:
+            async for out in stream:
+                yield out
+        finally:  # a consumer that stops early (break, cancel, disconnect) aborts the request
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent; unknown ids are ignored. The slot is freed before the next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.finished = True
+        if self.core is not None:
+            self._pending_aborts.append(request_id)
+            self._wakeup.set()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _apply_aborts(self, core: EngineCore) -> None:
+        if self._pending_aborts:
+            ids, self._pending_aborts = self._pending_aborts, []
+            core.abort(ids)  # the callers already stopped listening; outputs are dropped
+
+    async def _run_loop(self) -> None:
+        core = self._core
+        loop = asyncio.get_running_loop()
+        failures = 0
+        try:
+            while True:
+                self._apply_aborts(core)
+                if not core.has_unfinished:
+                    if self._stopping:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                sched = core.schedule()
+                if sched.is_empty:
+                    await asyncio.sleep(0.001)
+                    continue
+                try:
+                    result = await loop.run_in_executor(self._executor, core.execute, sched)
+                except Exception as error:
+                    failures += 1
+                    self._deliver(core.fail_step(sched, error))
+                    if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise EngineDeadError(f"{failures} consecutive steps failed; last: {error}") from error
+                    continue
+                failures = 0
+                self._deliver(core.process(sched, result))
+                self._maybe_log(core)
+                # Let handlers run between steps even when the forward is very short.
+                await asyncio.sleep(0)
+        except BaseException as error:
+            if not isinstance(error, asyncio.CancelledError):
+                logger.exception("engine loop died")
+                self.dead_error = error
+            self._fail_all(core, error)
+            raise
+
+    def _fail_all(self, core: EngineCore, error: BaseException) -> None:
+        message = f"engine loop died: {type(error).__name__}: {error}"
+        self.dead_error = self.dead_error or error
+        ids = list(self._streams)
+        with contextlib.suppress(Exception):
+            self._deliver(core.fail_requests(ids, message))
+        for request_id in ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(EngineDeadError(message))
+
+    def _maybe_log(self, core: EngineCore) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < _LOG_INTERVAL_S:
+            return
+        prompt, gen = core.prompt_tokens_total, core.generation_tokens_total
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV slots used: %.1f%%",
+            (prompt - self._last_log_tokens[0]) / elapsed, (gen - self._last_log_tokens[1]) / elapsed,
+            len(core.scheduler.running), len(core.scheduler.waiting), 100 * core.kv_cache_usage,
+        )
+        self._last_log = now
+        self._last_log_tokens = (prompt, gen)

@@ -1,0 +1,57 @@
+"""Incremental detokenization and stop strings, the way vLLM's front end does them."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+# DecodeStream needs some prompt context so the first output token gets its leading space right.
+_PROMPT_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text, correct across multi-byte characters split over tokens."""
+
+    def __init__(self, backend_tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self._tokenizer = backend_tokenizer
+        self._stream = DecodeStream(
+            ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens
+        )
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> int:
+        """Decode new tokens; returns how many characters were added to ``text``."""
+        before = len(self.text)
+        for token_id in token_ids:
+            piece = self._stream.step(self._tokenizer, token_id)
+            if piece:
+                self.text += piece
+        return len(self.text) - before
+
+
+def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
+    """Earliest stop string that ends inside the newly added characters: (string, start index)."""
+    best: tuple[str, int] | None = None
+    for s in stop:
+        # A match must overlap the new characters, so search only the tail that could contain it.
+        start = max(0, len(text) - num_new_chars - len(s) + 1)
+        idx = text.find(s, start)
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (s, idx)
+    return best
+
+
+class TokenTextCache:
+    """Per-token display strings for logprobs (vLLM: convert_ids_to_tokens + tokens_to_string)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.decode = lru_cache(maxsize=65536)(self._decode)
+
+    def _decode(self, token_id: int) -> str:
+        token = self._tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:
+            return ""
+        return str(self._tokenizer.convert_tokens_to_string([token]))

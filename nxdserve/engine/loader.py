@@ -1,0 +1,86 @@
+"""Startup: find the model files, load the tokenizer and configs, resolve the engine config."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nxdserve.config import EngineConfig
+from nxdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ModelFiles:
+    path: Path
+    tokenizer: Any
+    hf_config: Any
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
+    generation_eos_ids: list[int] = field(default_factory=list)
+
+
+def load_model_files(config: EngineConfig) -> ModelFiles:
+    from transformers import AutoTokenizer
+
+    from nxdserve.model_files import load_hf_config, resolve_model
+
+    path = Path(resolve_model(config.model))
+    tokenizer_path = Path(resolve_model(config.tokenizer)) if config.tokenizer else path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a bad folder
+        raise ConfigError(f"cannot load a tokenizer from {tokenizer_path}: {exc}") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(f"the tokenizer at {tokenizer_path} has no fast (tokenizers) backend")
+    hf_config = load_hf_config(path)
+    defaults: dict[str, float | int] = {}
+    eos_ids: list[int] = []
+    gen_file = path / "generation_config.json"
+    if gen_file.exists():
+        gen = json.loads(gen_file.read_text())
+        eos = gen.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if config.generation_config == "auto":
+            defaults = {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
+            if gen.get("max_new_tokens") is not None:
+                defaults["max_tokens"] = gen["max_new_tokens"]
+            if defaults:
+                logger.info("default sampling parameters from the model's generation_config.json: %s", defaults)
+    return ModelFiles(path, tokenizer, hf_config, defaults, eos_ids)
+
+
+def max_positions(hf_config: Any) -> int | None:
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    value = getattr(text_config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[Any, ModelFiles]:
+    """Load everything and return a ready EngineCore (synchronous; used by AsyncEngine and tests)."""
+    from nxdserve.engine.backends import create_backend
+    from nxdserve.engine.core import EngineCore
+    from nxdserve.engine.metrics import EngineMetrics
+
+    files = load_model_files(config)
+    config.resolve(max_positions(files.hf_config))
+    backend = create_backend(config, files.path)
+    if files.generation_eos_ids:
+        extra = set(files.generation_eos_ids)
+    else:
+        extra = set()
+    name = config.served_model_name[0] if config.served_model_name else (config.model or "SmolLM2-135M-Instruct")
+    metrics = EngineMetrics(name) if with_metrics else None
+    proposer = None
+    if config.speculative_config:
+        from nxdserve.engine.speculative import create_proposer
+
+        proposer = create_proposer(config, backend, files)
+    core = EngineCore(config, backend, files.tokenizer, metrics, proposer)
+    core.eos_token_ids = core.eos_token_ids | frozenset(extra)
+    return core, files

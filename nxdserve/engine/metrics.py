@@ -1,0 +1,103 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards and `vllm bench serve` work."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from nxdserve.engine.outputs import RequestOutput
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, max_spec_tokens: int = 0) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.num_running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV slots in use (0-1)", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", labels, buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency", labels, buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end latency", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting for a slot", labels, buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step", labels, buckets=_ITERATION_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.spec_num_drafts = Counter("vllm:spec_decode_num_drafts", "Draft rounds", labels, registry=r)
+        self.spec_num_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", labels, registry=r
+        )
+        self.spec_num_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts per position",
+            [*labels, "position"], registry=r,
+        )
+        self._model = model_name
+        self._last_token_time: dict[str, float] = {}
+        for gauge in (self.num_running, self.num_waiting, self.kv_usage):
+            gauge.labels(model_name).set(0)
+
+    def record_step(self, num_running: int, num_waiting: int, kv_usage: float, num_prefill: int,
+                    num_generated: int, num_scheduled: int) -> None:
+        m = self._model
+        self.num_running.labels(m).set(num_running)
+        self.num_waiting.labels(m).set(num_waiting)
+        self.kv_usage.labels(m).set(kv_usage)
+        if num_prefill:
+            self.prompt_tokens.labels(m).inc(num_prefill)
+        if num_generated:
+            self.generation_tokens.labels(m).inc(num_generated)
+        if num_scheduled:
+            self.iteration_tokens.labels(m).observe(num_scheduled)
+
+    def record_spec(self, num_drafts: int, num_draft_tokens: int, accepted_per_pos: list[int]) -> None:
+        m = self._model
+        self.spec_num_drafts.labels(m).inc(num_drafts)
+        self.spec_num_draft_tokens.labels(m).inc(num_draft_tokens)
+        self.spec_num_accepted_tokens.labels(m).inc(sum(accepted_per_pos))
+        for pos, count in enumerate(accepted_per_pos):
+            if count:
+                self.spec_accepted_per_pos.labels(m, str(pos)).inc(count)
+
+    def record_output(self, out: RequestOutput, now: float) -> None:
+        m = self._model
+        metrics = out.metrics
+        if out.outputs and out.outputs[0].token_ids:
+            last = self._last_token_time.get(out.request_id)
+            if last is None:
+                if metrics.ttft is not None:
+                    self.ttft.labels(m).observe(metrics.ttft)
+            else:
+                self.itl.labels(m).observe(now - last)
+            self._last_token_time[out.request_id] = now
+        if out.finished:
+            self._last_token_time.pop(out.request_id, None)
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self.request_success.labels(m, reason or "abort").inc()
+            self.e2e.labels(m).observe(now - metrics.arrival_time)
+            if metrics.queue_time is not None:
+                self.queue_time.labels(m).observe(metrics.queue_time)

@@ -1,0 +1,106 @@
+"""Persistent batch: per-slot arrays that live for the whole engine and change by diffs.
+
+A slot is one KV-cache line (an NxD ``seq_id``). A request owns its slot from admission to finish or
+abort. The scheduler writes only the rows that changed in a step (a new request, appended tokens,
+drafts, a freed slot); backends read these arrays with vectorised numpy/torch code, so the per-step
+cost of steady-state decode does not grow with Python work per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nxdserve.sampling_params import SamplingParams
+
+
+class PersistentBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_spec_tokens: int = 0) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        s = max_num_seqs
+        # Room for drafts past max_model_len is never used for KV (the scheduler clamps), but keeps
+        # the writes of draft token ids branch-free.
+        self.token_ids = np.zeros((s, max_model_len + max_spec_tokens + 1), dtype=np.int64)
+        self.num_tokens = np.zeros(s, dtype=np.int32)  # prompt + output, drafts excluded
+        self.num_prompt_tokens = np.zeros(s, dtype=np.int32)
+        self.active = np.zeros(s, dtype=bool)
+        self.request_ids: list[str | None] = [None] * s
+
+        # Sampling parameters, one row per slot.
+        self.temperature = np.ones(s, dtype=np.float32)
+        self.top_p = np.ones(s, dtype=np.float32)
+        self.top_k = np.zeros(s, dtype=np.int32)  # 0: disabled
+        self.min_p = np.zeros(s, dtype=np.float32)
+        self.presence_penalty = np.zeros(s, dtype=np.float32)
+        self.frequency_penalty = np.zeros(s, dtype=np.float32)
+        self.repetition_penalty = np.ones(s, dtype=np.float32)
+        self.num_logprobs = np.full(s, -1, dtype=np.int32)  # -1: not requested
+        self.num_prompt_logprobs = np.full(s, -1, dtype=np.int32)
+        self.min_tokens = np.zeros(s, dtype=np.int32)
+        # Ids masked until min_tokens outputs exist (eos + stop_token_ids), per slot.
+        self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(s)]
+        self.logit_bias: list[dict[int, float] | None] = [None] * s
+        self.generators: list[torch.Generator | None] = [None] * s
+        # Bumped whenever a slot is added or removed; backends cache derived tensors against it.
+        self.version = 0
+
+    # -- diffs written by the scheduler ------------------------------------------------------------
+    def add(
+        self,
+        slot: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop_ids_for_min_tokens: list[int],
+    ) -> None:
+        assert not self.active[slot], f"slot {slot} is already taken"
+        n = len(prompt_token_ids)
+        self.token_ids[slot, :n] = prompt_token_ids
+        self.num_tokens[slot] = n
+        self.num_prompt_tokens[slot] = n
+        self.active[slot] = True
+        self.request_ids[slot] = request_id
+        self.temperature[slot] = 0.0 if params.is_greedy else params.temperature
+        self.top_p[slot] = params.top_p
+        self.top_k[slot] = params.top_k
+        self.min_p[slot] = params.min_p
+        self.presence_penalty[slot] = params.presence_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[slot] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        self.min_tokens[slot] = params.min_tokens
+        self.min_tokens_stop_ids[slot] = stop_ids_for_min_tokens if params.min_tokens > 0 else []
+        self.logit_bias[slot] = dict(params.logit_bias) if params.logit_bias else None
+        self.generators[slot] = (
+            torch.Generator().manual_seed(params.seed % (2**63)) if params.seed is not None else None
+        )
+        self.version += 1
+
+    def remove(self, slot: int) -> None:
+        self.active[slot] = False
+        self.request_ids[slot] = None
+        self.num_tokens[slot] = 0
+        self.num_prompt_tokens[slot] = 0
+        self.generators[slot] = None
+        self.logit_bias[slot] = None
+        self.min_tokens_stop_ids[slot] = []
+        self.version += 1
+
+    def append(self, slot: int, token_ids: list[int]) -> None:
+        start = int(self.num_tokens[slot])
+        self.token_ids[slot, start : start + len(token_ids)] = token_ids
+        self.num_tokens[slot] = start + len(token_ids)
+
+    def set_drafts(self, slot: int, draft_token_ids: list[int]) -> None:
+        """Drafts sit right after the last real token; num_tokens does not count them."""
+        start = int(self.num_tokens[slot])
+        self.token_ids[slot, start : start + len(draft_token_ids)] = draft_token_ids
+
+    # -- views read by backends --------------------------------------------------------------------
+    def num_output_tokens(self, slots: np.ndarray) -> np.ndarray:
+        return self.num_tokens[slots] - self.num_prompt_tokens[slots]
+
+    def num_active(self) -> int:
+        return int(self.active.sum())

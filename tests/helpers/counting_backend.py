@@ -1,0 +1,63 @@
+"""A tiny deterministic backend for scheduler tests: the 'model' emits (previous token + 1) % vocab.
+
+It implements the real backend contract (slots, spans, drafts, sampling rows) without a neural net,
+so scheduler behaviour can be checked step by step in milliseconds. It also checks the invariants
+a real slot-KV backend relies on: a span always starts where the slot's KV ends, and never runs past
+max_model_len - 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nxdserve.engine.backends.base import Backend, BackendCapabilities, StepPlan, StepResult
+from nxdserve.engine.persistent_batch import PersistentBatch
+
+
+class CountingBackend(Backend):
+    name = "counting"
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int = 1000, eos: int = 999,
+                 **caps: object) -> None:
+        self._caps = BackendCapabilities(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_prompt_len=max_model_len - 1,
+            vocab_size=vocab_size, eos_token_ids=(eos,), **caps,  # type: ignore[arg-type]
+        )
+        self.kv_len = np.zeros(max_num_seqs, dtype=np.int64)  # positions with KV per slot
+        self.batch: PersistentBatch | None = None
+        self.plans: list[StepPlan] = []
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return self._caps
+
+    def bind(self, batch: PersistentBatch) -> None:
+        self.batch = batch
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        assert self.batch is not None
+        self.plans.append(plan)
+        for slot in plan.new_slots:
+            self.kv_len[slot] = 0
+        width = 1 + int(plan.num_drafts.max(initial=0))
+        out = np.full((plan.num_rows, width), -1, dtype=np.int64)
+        num = np.zeros(plan.num_rows, dtype=np.int64)
+        vocab = self._caps.vocab_size
+        for r in range(plan.num_rows):
+            slot, start, n = int(plan.slots[r]), int(plan.start_pos[r]), int(plan.num_scheduled[r])
+            assert start <= self.kv_len[slot], f"slot {slot}: span starts at {start} past its KV {self.kv_len[slot]}"
+            assert start + n <= self._caps.max_model_len - 1, "a span ran past max_model_len - 1"
+            self.kv_len[slot] = start + n
+            if not plan.sample[r]:
+                continue
+            tokens = self.batch.token_ids[slot, start : start + n]
+            drafts = int(plan.num_drafts[r])
+            # Verification: target token after position p is tokens[p] + 1; accept drafts while they match.
+            first = n - 1 - drafts
+            accepted = 0
+            while accepted < drafts and tokens[first + accepted + 1] == (tokens[first + accepted] + 1) % vocab:
+                accepted += 1
+            emitted = [(int(tokens[first + j]) + 1) % vocab for j in range(accepted + 1)]
+            out[r, : len(emitted)] = emitted
+            num[r] = len(emitted)
+        return StepResult(sampled_token_ids=out, num_sampled=num)
