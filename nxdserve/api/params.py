@@ -184,8 +184,6 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
 def check_fan_out(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES_PER_REQUEST:
         raise APIError(
-            f"A request may ask for at most {MAX_CHOICES_PER_REQUEST} choices (prompts x n); "
-            f"got {num_prompts} x {n}.",
+            f"A request may ask for at most {MAX_CHOICES_PER_REQUEST} choices (prompts x n); got {num_prompts} x {n}.",
             param="n",
         )
-

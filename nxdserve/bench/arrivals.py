@@ -7,9 +7,7 @@ import math
 import numpy as np
 
 
-def arrival_times(
-    num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
-) -> list[float]:
+def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Send time of each request, in seconds from the start of the run.
 
     Gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)): mean 1/rate for any burstiness, exponential

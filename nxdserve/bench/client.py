@@ -60,9 +60,7 @@ class SamplingOptions:
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 
-def build_payload(
-    endpoint: Endpoint, model: str, req: SampleRequest, sampling: SamplingOptions
-) -> dict[str, Any]:
+def build_payload(endpoint: Endpoint, model: str, req: SampleRequest, sampling: SamplingOptions) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": model,
         "temperature": sampling.temperature,

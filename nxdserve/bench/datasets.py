@@ -59,10 +59,7 @@ def decode_to_target_len(
         # Stop on the final round without adjusting, so text, ids and mismatch stay consistent.
         if mismatch == 0 or attempt == max_retry:
             return text, ids, mismatch
-        if mismatch > 0:
-            ids = ids[:target_len]
-        else:
-            ids = ids + rng.choice(allowed, size=-mismatch).tolist()
+        ids = ids[:target_len] if mismatch > 0 else ids + rng.choice(allowed, size=-mismatch).tolist()
     raise AssertionError("unreachable")
 
 
@@ -122,7 +119,21 @@ SHAREGPT_PROMPT_SIGMA = 1.0
 SHAREGPT_OUTPUT_MEDIAN = 160.0
 SHAREGPT_OUTPUT_SIGMA = 0.9
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are", "as", "with", "his", "they", "at", "be", "this", "have", "from", "or", "one", "had", "by", "word", "but", "not", "what", "all", "were", "we", "when", "your", "can", "said", "there", "use", "an", "each", "which", "she", "do", "how", "their", "if", "will", "up", "other", "about", "out", "many", "then", "them", "these", "so", "some", "her", "would", "make", "like", "him", "into", "time", "has", "look", "two", "more", "write", "go", "see", "number", "no", "way", "could", "people", "my", "than", "first", "water", "been", "call", "who", "oil", "its", "now", "find", "long", "down", "day", "did", "get", "come", "made", "may", "part", "over", "new", "sound", "take", "only", "little", "work", "know", "place", "year", "live", "me", "back", "give", "most", "very", "after", "thing", "our", "just", "name", "good", "sentence", "man", "think", "say", "great", "where", "help", "through", "much", "before", "line", "right", "too", "mean", "old", "any", "same", "tell", "boy", "follow", "came", "want", "show", "also", "around", "form", "three", "small", "set", "put", "end", "does", "another", "well", "large", "must", "big", "even", "such", "because", "turn", "here", "why", "ask", "went", "men", "read", "need", "land", "different", "home", "us", "move", "try", "kind", "hand", "picture", "again", "change", "off", "play", "spell", "air", "away", "animal", "house", "point", "page", "letter", "mother", "answer", "found", "study", "still", "learn", "should", "America", "world", "explain", "python", "function", "error", "server", "model", "request", "memory", "latency", "token", "cache", "budget", "schedule", "prompt", "output"]
+# Filler vocabulary for English-like prompts (kept as text: one word per line would be 230 lines).
+_WORD_TEXT = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had "
+    "by word but not what all were we when your can said there use an each which she do how their if will "
+    "up other about out many then them these so some her would make like him into time has look two more "
+    "write go see number no way could people my than first water been call who oil its now find long down "
+    "day did get come made may part over new sound take only little work know place year live me back "
+    "give most very after thing our just name good sentence man think say great where help through much "
+    "before line right too mean old any same tell boy follow came want show also around form three small "
+    "set put end does another well large must big even such because turn here why ask went men read need "
+    "land different home us move try kind hand picture again change off play spell air away animal house "
+    "point page letter mother answer found study still learn should America world explain python function "
+    "error server model request memory latency token cache budget schedule prompt output "
+)
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 def is_valid_sharegpt_pair(

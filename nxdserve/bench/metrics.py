@@ -115,9 +115,7 @@ def parse_percentiles(text: str) -> list[float]:
     return values
 
 
-def resolve_output_lens(
-    records: Sequence[RequestRecord], count_tokens: Callable[[str], int] | None
-) -> list[int]:
+def resolve_output_lens(records: Sequence[RequestRecord], count_tokens: Callable[[str], int] | None) -> list[int]:
     """Output tokens per request: the server's usage, else the generated text re-tokenized, else chunks.
 
     Failed requests count 0. Re-tokenizing can differ slightly from what was sampled; usage is exact.
@@ -154,7 +152,7 @@ def output_tokens_per_bucket(
     if not ok:
         return np.zeros(0)
     end = max(r.end_time for _, r in ok)
-    counts = np.zeros(int(math.ceil((end - origin) / bucket_s)) + 1)
+    counts = np.zeros(math.ceil((end - origin) / bucket_s) + 1)
     for i, r in ok:
         w = 1.0 if weights is None else float(weights[i])
         for t in token_times(r):

@@ -165,8 +165,10 @@ async def run_benchmark(
         model, _ = await resolve_model(client, cfg.model)
         if cfg.warmup:
             await warm_up(client, model, requests[0], cfg.sampling)
-        times = send_times if send_times is not None else arrival_times(
-            len(requests), cfg.request_rate, cfg.burstiness, cfg.seed
+        times = (
+            send_times
+            if send_times is not None
+            else arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
         )
         monitor = LoadMonitor(cfg.base_url, client.headers, cfg.metrics_interval_s)
         if cfg.metrics_interval_s > 0:
@@ -186,9 +188,7 @@ async def run_benchmark(
             return len(tok.encode(text, add_special_tokens=False))
 
     output_lens = resolve_output_lens(records, count)
-    metrics = calculate_metrics(
-        records, output_lens, duration, cfg.percentiles, cfg.goodput or None, cfg.metric_names
-    )
+    metrics = calculate_metrics(records, output_lens, duration, cfg.percentiles, cfg.goodput or None, cfg.metric_names)
     failed = [r for r in records if not r.success]
     for rec in failed[:10]:  # the first few say enough; a dead server would otherwise flood the log
         logger.warning("request %s failed: %s", rec.request_id, rec.error)

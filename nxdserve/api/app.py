@@ -1,0 +1,158 @@
+"""The Starlette application: routes, middleware and exception handlers around one AsyncEngine."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from nxdserve.api.chat import create_chat_completion, render_prompt
+from nxdserve.api.completions import create_completion
+from nxdserve.api.errors import APIError, handle_exception
+from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware
+from nxdserve.api.openapi import openapi_schema
+from nxdserve.api.params import check_token_ids
+from nxdserve.api.protocol import DetokenizeRequest, TokenizeRequest
+from nxdserve.api.responses import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeResponse,
+    VersionResponse,
+)
+from nxdserve.api.state import ServerState, get_state, parse
+from nxdserve.errors import NxdServeError
+
+logger = logging.getLogger(__name__)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nxdserve")
+    except Exception:  # running from a source tree that is not installed
+        return "0.1.0"
+
+
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if get_state(request).engine.is_healthy else 503)
+
+
+async def metrics(request: Request) -> Response:
+    registry = get_state(request).engine.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse(VersionResponse(version=_version()).model_dump())
+
+
+async def list_models(request: Request) -> Response:
+    state = get_state(request)
+    engine = state.engine
+    cards = [
+        ModelCard(
+            id=name,
+            root=str(engine.model_path),
+            max_model_len=int(engine.max_model_len),
+            permission=[ModelPermission()],
+        )
+        for name in state.served_model_names
+    ]
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+
+async def tokenize(request: Request) -> Response:
+    state = get_state(request)
+    req = await parse(request, TokenizeRequest)
+    state.resolve_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("Exactly one of `prompt` or `messages` must be given.", param="prompt")
+    if req.messages is not None:
+        if req.add_generation_prompt and req.continue_final_message:
+            raise APIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        text = render_prompt(state.engine, req)
+        add_special = bool(req.add_special_tokens)  # vLLM: False for chat unless asked
+    else:
+        text = req.prompt or ""
+        add_special = req.add_special_tokens is None or req.add_special_tokens
+    tokens = list(state.tokenizer.encode(text, add_special_tokens=add_special))
+    token_strs = state.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+    resp = TokenizeResponse(
+        count=len(tokens), max_model_len=int(state.engine.max_model_len), tokens=tokens, token_strs=token_strs
+    )
+    return JSONResponse(resp.model_dump())
+
+
+async def detokenize(request: Request) -> Response:
+    state = get_state(request)
+    req = await parse(request, DetokenizeRequest)
+    state.resolve_model(req.model)
+    check_token_ids(req.tokens, int(state.engine.vocab_size), param="tokens")
+    return JSONResponse(DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens)).model_dump())
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_schema(_version()))
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 for unknown routes, in our envelope."""
+    assert isinstance(exc, HTTPException)
+    return APIError(str(exc.detail), status=exc.status_code).response()
+
+
+ROUTES = [
+    Route("/v1/completions", create_completion, methods=["POST"]),
+    Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+]
+
+
+def create_app(
+    engine: Any,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+) -> Starlette:
+    """The ASGI app over a started AsyncEngine. ``served_model_names`` defaults to the engine's
+    configured names, else its model path; the first name is the one responses report."""
+    names = list(served_model_names or getattr(engine.config, "served_model_name", None) or [])
+    if not names:
+        names = [str(engine.model_path)]
+    middleware = [Middleware(RequestIdMiddleware)]
+    if api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
+    app = Starlette(
+        routes=ROUTES,
+        middleware=middleware,
+        # Known failures go to ExceptionMiddleware (answered, not re-raised); ``Exception`` goes to
+        # ServerErrorMiddleware, which answers a 500 in the envelope and re-raises so it is logged.
+        exception_handlers={
+            HTTPException: _http_exception,
+            APIError: handle_exception,
+            NxdServeError: handle_exception,
+            ValidationError: handle_exception,
+            Exception: handle_exception,
+        },
+    )
+    app.state.nxdserve = ServerState(engine=engine, served_model_names=names, api_key=api_key)
+    return app

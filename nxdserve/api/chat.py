@@ -1,0 +1,198 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from nxdserve.api.errors import APIError, sse_error_frame
+from nxdserve.api.generation import ChoiceState, EngineCall, abort_all, collect, merge, start_requests
+from nxdserve.api.logprobs import chat_logprobs
+from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out, fan_out
+from nxdserve.api.protocol import ChatCompletionRequest, ChatMessage
+from nxdserve.api.responses import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogProbs,
+    ChatMessageOut,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    now,
+)
+from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
+from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, run_until_disconnect, sse_frame
+from nxdserve.engine.outputs import Logprob
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: text parts joined into one string (vLLM's "string"
+    content format, which every text-only template understands)."""
+    out = []
+    for msg in messages:
+        if msg.role not in CHAT_ROLES:
+            raise APIError(f"Unsupported message role {msg.role!r}.", param="messages")
+        entry = msg.model_dump(exclude_none=True)
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        f"Unsupported content part type {part.type!r}; only 'text' parts are supported.",
+                        param="messages",
+                    )
+                texts.append(part.text)
+            entry["content"] = "\n".join(texts)
+        elif content is None:
+            entry["content"] = ""  # templates print None literally
+        out.append(entry)
+    return out
+
+
+def render_prompt(engine: Any, req: ChatCompletionRequest | Any) -> str:
+    """The rendered chat template; template errors (e.g. roles that must alternate) are 400s."""
+    try:
+        return engine.apply_chat_template(  # type: ignore[no-any-return]
+            message_dicts(req.messages),
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+            tools=req.tools,
+        )
+    except APIError:
+        raise
+    except Exception as exc:  # jinja2 TemplateError, "no chat template" ValueError, ...
+        raise APIError(f"Cannot apply the chat template: {exc}", param="messages") from exc
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = get_state(request)
+    req = await parse(request, ChatCompletionRequest)
+    model = state.resolve_model(req.model)
+    check_chat(req)
+    check_fan_out(1, req.n)
+    engine = state.engine
+    prompt = render_prompt(engine, req)
+    params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
+    children = fan_out(params)
+    response_id = f"chatcmpl-{base_request_id(request)}"
+    ids = engine_request_ids(request, response_id, len(children))
+    calls = [EngineCall(prompt, child, rid, req.add_special_tokens) for child, rid in zip(children, ids, strict=True)]
+    streams = start_requests(engine, calls)
+    view = _ChatView(state, req, model, response_id)
+    if req.stream:
+        return EventStreamResponse(view.frames(streams), on_close=lambda: abort_all(streams))
+    try:
+        states = await run_until_disconnect(request, collect(streams))
+    finally:
+        abort_all(streams)
+    if states is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(view.response(states).model_dump(mode="json"))
+
+
+@dataclass
+class _ChatView:
+    state: ServerState
+    req: ChatCompletionRequest
+    model: str
+    response_id: str
+
+    def _logprobs(self, token_ids: list[int], steps: Sequence[dict[int, Logprob]]) -> ChatLogProbs | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(token_ids, steps, self.req.top_logprobs or 0, self.state.tokenizer)
+
+    def response(self, states: Sequence[ChoiceState]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=st.index,
+                message=ChatMessageOut(role="assistant", content=st.text),
+                logprobs=self._logprobs(st.token_ids, st.logprobs),
+                finish_reason=st.finish_reason,
+                stop_reason=st.stop_reason,
+            )
+            for st in states
+        ]
+        prompt_tokens = len(states[0].prompt_token_ids)
+        completion_tokens = sum(st.num_tokens for st in states)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices, usage=usage)
+
+    def _chunk(self, created: int, choices: list[ChatStreamChoice]) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=self.response_id, created=created, model=self.model, choices=choices)
+
+    async def frames(self, streams: Sequence[Any]) -> AsyncIterator[str]:
+        """Chat SSE frames: a role chunk per choice first, content deltas, finish_reason on each
+        choice's last chunk, an optional usage chunk, then [DONE] (also after an error frame)."""
+        created = now()
+        states = [ChoiceState(index=i) for i in range(len(streams))]
+        opts = self.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        role_sent = False
+        outputs = merge(streams)
+        try:
+            async for i, out in outputs:
+                st = states[i]
+                seen_tokens, seen_logprobs = len(st.token_ids), len(st.logprobs)
+                st.update(out)
+                if not role_sent:
+                    role_sent = True
+                    for k in range(len(streams)):
+                        delta = DeltaMessage(role="assistant", content="")
+                        chunk = self._chunk(
+                            created, [ChatStreamChoice(index=k, delta=delta, logprobs=None, finish_reason=None)]
+                        )
+                        if continuous:
+                            chunk.usage = _usage(len(st.prompt_token_ids), 0)
+                        yield sse_frame(chunk)
+                text = out.outputs[0].text if out.outputs else ""
+                token_ids, steps = st.token_ids[seen_tokens:], st.logprobs[seen_logprobs:]
+                if not text and not token_ids and st.finish_reason is None:
+                    continue
+                choice = ChatStreamChoice(
+                    index=i,
+                    delta=DeltaMessage(content=text),
+                    logprobs=self._logprobs(token_ids, steps),
+                    finish_reason=st.finish_reason,
+                    stop_reason=st.stop_reason,
+                )
+                chunk = self._chunk(created, [choice])
+                if continuous:
+                    chunk.usage = _usage(len(st.prompt_token_ids), st.num_tokens)
+                yield sse_frame(chunk)
+            if include_usage:
+                prompt_tokens = len(states[0].prompt_token_ids)
+                chunk = self._chunk(created, [])
+                chunk.usage = _usage(prompt_tokens, sum(st.num_tokens for st in states))
+                yield sse_frame(chunk)
+        except Exception as exc:  # headers are sent: report in-band, then [DONE]
+            yield sse_error_frame(exc)
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        yield DONE_FRAME
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )

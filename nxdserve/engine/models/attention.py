@@ -1,0 +1,282 @@
+"""Slot KV cache and attention for one flattened batch that mixes decode rows and prefill chunks.
+
+A slot is one cache line of ``max_len`` positions (an NxD ``seq_id``). A forward runs rows; row r is
+``row_lens[r]`` consecutive tokens of slot ``row_slots[r]`` starting at position ``row_starts[r]``:
+a decode (1 token), a speculative verification (1 + k tokens) or a prefill chunk starting anywhere.
+Each new token attends to its slot's cached positions before it and causally within its row.
+
+Attention runs as few SDPA calls as possible:
+- rows with at most ``batched_query_limit`` tokens (decodes, verifications, small chunks) form one
+  batched call over their cache lines, padded to the longest of them and masked by length;
+- each longer prefill chunk gets its own call over its own line (a view, no copy).
+
+GQA without repeating K/V: the query heads that share one KV head are folded into the query-length
+axis, so SDPA sees (rows, kv_heads, group * queries, head_dim) against (rows, kv_heads, ctx, head_dim).
+Measured on this CPU, that beats both ``enable_gqa=True`` (slow in bf16) and repeat_interleave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+DEFAULT_BATCHED_QUERY_LIMIT = 8
+
+
+class SlotKVCache:
+    """K and V for every layer, slot and position: one zero-filled tensor
+    (layers, 2, slots, kv_heads, max_len, head_dim). Zero, not empty: masked positions still enter
+    SDPA's matmuls and must be finite."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.data = torch.zeros(
+            (num_layers, 2, num_slots, num_kv_heads, max_len, head_dim), dtype=dtype, device=device
+        )
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer, each (slots, kv_heads, max_len, head_dim); views into the cache."""
+        return self.data[index, 0], self.data[index, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass
+class _BatchedRows:
+    """Rows attended together in one SDPA call, padded to ``num_queries`` tokens each."""
+
+    num_rows: int
+    num_queries: int
+    ctx_len: int
+    slot_start: int | None  # rows are slots slot_start.. consecutively: the cache is sliced, not gathered
+    slots: torch.Tensor  # (B,)
+    # Flat token index of each (row, query) pair, pads repeating the row's last token; None when the
+    # group is the whole batch in order with one query per row (plain decode: no gather needed).
+    query_index: torch.Tensor | None
+    # Which padded (row, query) pairs are real, and which flat token each one is.
+    valid_index: torch.Tensor | None  # None: all pairs are real
+    token_index: torch.Tensor | None  # None together with query_index
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> (B, 1, G*Q, ctx)
+
+
+@dataclass
+class _Chunk:
+    """One long prefill chunk, attended alone."""
+
+    slot: int
+    token_start: int  # offset in the flat batch
+    num_tokens: int
+    ctx_len: int  # start position + num_tokens
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> (G*n, ctx)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one forward, built once and shared by all layers."""
+
+    num_tokens: int
+    positions: torch.Tensor  # (T,) absolute position of each token in its slot
+    write_slots: torch.Tensor  # (T,) slot of each token (where its K/V go)
+    batched: _BatchedRows | None
+    chunks: list[_Chunk]
+
+    @classmethod
+    def build(
+        cls,
+        row_slots: np.ndarray,
+        row_starts: np.ndarray,
+        row_lens: np.ndarray,
+        *,
+        num_query_groups: int,
+        windows: frozenset[int | None],
+        max_len: int,
+        device: torch.device,
+        batched_query_limit: int = DEFAULT_BATCHED_QUERY_LIMIT,
+    ) -> AttentionMetadata:
+        slots = np.asarray(row_slots, dtype=np.int64)
+        starts = np.asarray(row_starts, dtype=np.int64)
+        lens = np.asarray(row_lens, dtype=np.int64)
+        if lens.size == 0 or lens.min() < 1:
+            raise ValueError("every row must run at least one token")
+        if int((starts + lens).max()) > max_len:
+            raise ValueError(f"a row runs past the cache line length {max_len}")
+        if np.unique(slots).size != slots.size:
+            raise ValueError("a slot appears in more than one row")
+
+        offsets = np.zeros(lens.size + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        num_tokens = int(offsets[-1])
+        token_row = np.repeat(np.arange(lens.size), lens)
+        positions = starts[token_row] + np.arange(num_tokens) - offsets[token_row]
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        is_batched = lens <= batched_query_limit
+        batched = None
+        if is_batched.any():
+            batched = _build_batched(
+                slots[is_batched],
+                starts[is_batched],
+                lens[is_batched],
+                offsets[:-1][is_batched],
+                whole_batch=bool(is_batched.all()),
+                num_query_groups=num_query_groups,
+                windows=windows,
+                to_dev=to_dev,
+            )
+        chunks = []
+        for r in np.flatnonzero(~is_batched):
+            start, n = int(starts[r]), int(lens[r])
+            query_pos = torch.arange(start, start + n, device=device)
+            allowed = _allowed(query_pos, start + n, device)  # (n, ctx)
+            masks = {
+                w: _restrict(allowed, query_pos, w).repeat(num_query_groups, 1) for w in windows
+            }  # folded layout: group-major, then query
+            chunks.append(_Chunk(int(slots[r]), int(offsets[r]), n, start + n, masks))
+        return cls(num_tokens, to_dev(positions), to_dev(slots[token_row]), batched, chunks)
+
+
+def _allowed(query_pos: torch.Tensor, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """Causal over the whole line: key k is visible to a query at position p when k <= p."""
+    keys = torch.arange(ctx_len, device=device)
+    return keys <= query_pos[..., None]
+
+
+def _restrict(allowed: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Sliding window: additionally p - k < window."""
+    if window is None:
+        return allowed
+    keys = torch.arange(allowed.shape[-1], device=allowed.device)
+    return allowed & (keys > query_pos[..., None] - window)
+
+
+def _build_batched(
+    slots: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    token_offsets: np.ndarray,
+    *,
+    whole_batch: bool,
+    num_query_groups: int,
+    windows: frozenset[int | None],
+    to_dev: Callable[[np.ndarray], torch.Tensor],
+) -> _BatchedRows:
+    num_rows = int(slots.size)
+    num_queries = int(lens.max())
+    ctx_len = int((starts + lens).max())
+    # Pads repeat the row's last query, so every padded query has a valid (non-empty) mask row.
+    q_offset = np.minimum(np.arange(num_queries)[None, :], lens[:, None] - 1)  # (B, Q)
+    query_pos = to_dev(starts[:, None] + q_offset)
+    contiguous = bool(np.all(np.diff(slots) == 1))
+    if whole_batch and num_queries == 1:
+        query_index = valid_index = token_index = None  # plain decode: q is already in row order
+    else:
+        query_index = to_dev((token_offsets[:, None] + q_offset).reshape(-1))
+        valid = (np.arange(num_queries)[None, :] < lens[:, None]).reshape(-1)
+        valid_index = None if valid.all() else to_dev(np.flatnonzero(valid))
+        token_index = to_dev((token_offsets[:, None] + q_offset).reshape(-1)[valid])
+    allowed = _allowed(query_pos, ctx_len, query_pos.device)  # (B, Q, ctx)
+    masks = {}
+    for w in windows:
+        m = _restrict(allowed, query_pos, w).unsqueeze(1)  # (B, 1, Q, ctx)
+        if num_queries > 1:  # folded layout (B, 1, G*Q, ctx): group-major, then query
+            m = m.unsqueeze(2).expand(-1, -1, num_query_groups, -1, -1).reshape(num_rows, 1, -1, ctx_len)
+        masks[w] = m  # with one query the (B, 1, 1, ctx) mask broadcasts over the group
+    return _BatchedRows(
+        num_rows=num_rows,
+        num_queries=num_queries,
+        ctx_len=ctx_len,
+        slot_start=int(slots[0]) if contiguous else None,
+        slots=to_dev(slots),
+        query_index=query_index,
+        valid_index=valid_index,
+        token_index=token_index,
+        masks=masks,
+    )
+
+
+def slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+) -> torch.Tensor:
+    """Store the new K/V in their slots, then attend. q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq * D)."""
+    k_cache[meta.write_slots, :, meta.positions] = k
+    v_cache[meta.write_slots, :, meta.positions] = v
+
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    groups = num_heads // num_kv_heads
+    b = meta.batched
+    if b is not None and b.query_index is None:  # plain decode over the whole batch
+        return _attend_batched(q, k_cache, v_cache, b, window, num_kv_heads, groups)
+
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if b is not None:
+        assert b.token_index is not None and b.query_index is not None
+        o = _attend_batched(q.index_select(0, b.query_index), k_cache, v_cache, b, window, num_kv_heads, groups)
+        if b.valid_index is not None:
+            o = o.index_select(0, b.valid_index)
+        out.index_copy_(0, b.token_index, o)
+    for c in meta.chunks:
+        n = c.num_tokens
+        qc = q[c.token_start : c.token_start + n]
+        qf = qc.view(n, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, -1, head_dim)
+        kc = k_cache[c.slot : c.slot + 1, :, : c.ctx_len]
+        vc = v_cache[c.slot : c.slot + 1, :, : c.ctx_len]
+        o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=c.masks[window])
+        out[c.token_start : c.token_start + n] = (
+            o.view(num_kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+        )
+    return out
+
+
+def _attend_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    b: _BatchedRows,
+    window: int | None,
+    num_kv_heads: int,
+    groups: int,
+) -> torch.Tensor:
+    """q (B*Q, Hq, D) in (row, query) order -> (B*Q, Hq * D)."""
+    rows, queries, head_dim = b.num_rows, b.num_queries, q.shape[-1]
+    qf = (
+        q.view(rows, queries, num_kv_heads, groups, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(rows, num_kv_heads, groups * queries, head_dim)
+    )
+    if b.slot_start is not None:  # consecutive slots: a view of the cache lines, no copy
+        kc = k_cache[b.slot_start : b.slot_start + rows, :, : b.ctx_len]
+        vc = v_cache[b.slot_start : b.slot_start + rows, :, : b.ctx_len]
+    else:
+        kc = k_cache[:, :, : b.ctx_len].index_select(0, b.slots)
+        vc = v_cache[:, :, : b.ctx_len].index_select(0, b.slots)
+    o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=b.masks[window])
+    return (
+        o.view(rows, num_kv_heads, groups, queries, head_dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(rows * queries, num_kv_heads * groups * head_dim)
+    )

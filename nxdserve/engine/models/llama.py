@@ -1,0 +1,269 @@
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a slot KV cache.
+
+One module; the differences between families are flags on ``ModelSpec``. Weights load from HF
+safetensors under their HF names; q/k/v and gate/up are fused into one matmul each at load time, which
+is what makes small-batch CPU decode fast (fewer, larger GEMMs, fewer Python calls per layer).
+
+The forward takes a flattened token batch (T, hidden) with ``AttentionMetadata`` describing rows;
+all linear layers run over all T tokens at once, attention is in ``attention.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxdserve.errors import ConfigError
+from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache, slot_attention
+from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
+from nxdserve.engine.models.spec import ModelSpec
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+# Checkpoint entries that carry no weights we need (old Llama checkpoints store RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SKIP = nn.Parameter(torch.empty(0), requires_grad=False)  # "known tensor, not needed"
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the model dtype, the reference's order of operations.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, window: int | None, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        s, kw = spec, {"dtype": dtype, "device": device}
+        self.spec = spec
+        self.window = window
+        self.input_norm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
+        self.qkv_weight = _param(s.q_size + 2 * s.kv_size, s.hidden_size, **kw)
+        self.qkv_bias = _param(s.q_size + 2 * s.kv_size, **kw) if s.qkv_bias else None
+        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, **kw) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, **kw) if s.qk_norm else None
+        self.o_weight = _param(s.hidden_size, s.q_size, **kw)
+        self.o_bias = _param(s.hidden_size, **kw) if s.o_bias else None
+        self.post_norm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
+        self.gate_up_weight = _param(2 * s.intermediate_size, s.hidden_size, **kw)
+        self.gate_up_bias = _param(2 * s.intermediate_size, **kw) if s.mlp_bias else None
+        self.down_weight = _param(s.hidden_size, s.intermediate_size, **kw)
+        self.down_bias = _param(s.hidden_size, **kw) if s.mlp_bias else None
+        self.act = _ACTIVATIONS[s.hidden_act]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        qkv = F.linear(self.input_norm(x), self.qkv_weight, self.qkv_bias)
+        v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
+        if self.q_norm is None:
+            # q and k rotate with the same tables: one call over both, split afterwards.
+            qk = apply_rope(qkv[:, : s.q_size + s.kv_size].view(t, -1, s.head_dim), cos, sin)
+            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+        else:
+            assert self.k_norm is not None
+            q = self.q_norm(qkv[:, : s.q_size].view(t, s.num_heads, s.head_dim))
+            k = self.k_norm(qkv[:, s.q_size : s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = slot_attention(q, k, v, k_cache, v_cache, meta, self.window)
+        x = x + F.linear(attn, self.o_weight, self.o_bias)
+        gate, up = F.linear(self.post_norm(x), self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(self.act(gate) * up, self.down_weight, self.down_bias)
+
+
+class LlamaFamilyModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; weights in ``dtype`` on ``device``."""
+
+    def __init__(
+        self, spec: ModelSpec, hf_config: Any, dtype: torch.dtype, device: torch.device, max_len: int | None = None
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.dtype = dtype
+        self.device = device
+        self.max_len = max_len or spec.max_position_embeddings
+        kw = {"dtype": dtype, "device": device}
+        self.embed_weight = _param(spec.vocab_size, spec.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(spec, w, dtype, device) for w in spec.sliding_windows)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        # Tied embeddings share one tensor; untied heads get their own.
+        self.lm_head_weight = self.embed_weight if spec.tie_word_embeddings else _param(
+            spec.vocab_size, spec.hidden_size, **kw
+        )
+        inv_freq, scaling = rope_inv_freq(hf_config, spec.head_dim, spec.rope_type)
+        self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
+        self.windows = frozenset(spec.sliding_windows)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype, device: torch.device, max_len: int | None = None
+    ) -> LlamaFamilyModel:
+        from nxdserve.model_files import load_hf_config
+
+        hf_config = load_hf_config(path)
+        model = cls(ModelSpec.from_hf_config(hf_config), hf_config, dtype, device, max_len)
+        model.load_weights(_iter_safetensors(Path(path)))
+        return model.eval()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head_weight.shape[0])
+
+    def new_kv_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
+        s = self.spec
+        return SlotKVCache(s.num_layers, num_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
+        """token_ids (T,) -> final-norm hidden states (T, hidden)."""
+        x = F.embedding(token_ids, self.embed_weight)
+        cos, sin = self.rope.gather(meta.positions)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.layer(i)
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., hidden) -> float32 logits (..., vocab)."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # -- weight loading ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up. Missing weights raise ConfigError."""
+        s = self.spec
+        pending: dict[str, torch.Tensor] = {}  # parts of fused tensors, until all parts are seen
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            target = self._target(name)
+            if target is None:
+                raise ConfigError(f"Unexpected checkpoint tensor {name!r} for a {s.model_type} model.")
+            if target is _SKIP:
+                continue
+            if isinstance(target, tuple):  # a part of a fused tensor
+                pending[name] = tensor
+                fused_name, parts, param = target
+                if all(p in pending for p in parts):
+                    self._copy(param, torch.cat([pending.pop(p) for p in parts], dim=0), fused_name)
+                    loaded.add(fused_name)
+            else:
+                self._copy(target, tensor, name)
+                loaded.add(name)
+        missing = [n for n in self._expected_names() if n not in loaded]
+        if s.tie_word_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+        if missing or pending:
+            raise ConfigError(f"Checkpoint is missing tensors: {sorted(missing + list(pending))[:8]}")
+
+    def _copy(self, param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ConfigError(f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}.")
+        param.copy_(tensor.to(dtype=param.dtype))
+
+    def _target(self, name: str) -> nn.Parameter | tuple[str, list[str], nn.Parameter] | None:
+        if name == "model.embed_tokens.weight":
+            return self.embed_weight
+        if name == "model.norm.weight":
+            return self.norm.weight
+        if name == "lm_head.weight":
+            # Tied checkpoints sometimes store the head too; it equals the embedding, so skip it.
+            return _SKIP if self.spec.tie_word_embeddings else self.lm_head_weight
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return None
+        index = int(parts[2])
+        if index >= len(self.layers):
+            return None
+        layer = self.layers[index]
+        assert isinstance(layer, DecoderLayer)
+        prefix, local = f"model.layers.{index}.", ".".join(parts[3:])
+        simple: dict[str, nn.Parameter | None] = {
+            "input_layernorm.weight": layer.input_norm.weight,
+            "post_attention_layernorm.weight": layer.post_norm.weight,
+            "self_attn.o_proj.weight": layer.o_weight,
+            "self_attn.o_proj.bias": layer.o_bias,
+            "self_attn.q_norm.weight": layer.q_norm.weight if layer.q_norm is not None else None,
+            "self_attn.k_norm.weight": layer.k_norm.weight if layer.k_norm is not None else None,
+            "mlp.down_proj.weight": layer.down_weight,
+            "mlp.down_proj.bias": layer.down_bias,
+        }
+        if local in simple:
+            return simple[local]
+        for kind, param in (("weight", layer.qkv_weight), ("bias", layer.qkv_bias)):
+            names = [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
+            if name in names and param is not None:
+                return f"{prefix}self_attn.qkv.{kind}", names, param
+        for kind, param in (("weight", layer.gate_up_weight), ("bias", layer.gate_up_bias)):
+            names = [f"{prefix}mlp.{p}_proj.{kind}" for p in ("gate", "up")]
+            if name in names and param is not None:
+                return f"{prefix}mlp.gate_up.{kind}", names, param
+        return None
+
+    def _expected_names(self) -> Iterator[str]:
+        yield "model.embed_tokens.weight"
+        yield "model.norm.weight"
+        yield "lm_head.weight"
+        s = self.spec
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            yield from (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
+            yield from (p + "self_attn.qkv.weight", p + "self_attn.o_proj.weight")
+            yield from (p + "mlp.gate_up.weight", p + "mlp.down_proj.weight")
+            if s.qkv_bias:
+                yield p + "self_attn.qkv.bias"
+            if s.o_bias:
+                yield p + "self_attn.o_proj.bias"
+            if s.mlp_bias:
+                yield from (p + "mlp.gate_up.bias", p + "mlp.down_proj.bias")
+            if s.qk_norm:
+                yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+
+
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"No .safetensors files in {folder}.")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)

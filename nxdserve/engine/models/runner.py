@@ -1,0 +1,82 @@
+"""SlotModelRunner: a model plus its own slot KV cache, runnable on (slot, start, length) rows.
+
+The torch backend runs the target model through one of these; a draft-model proposer makes a second
+one for its draft model (same slots, its own cache), so the two never share attention state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, AttentionMetadata, SlotKVCache
+from nxdserve.engine.models.llama import LlamaFamilyModel
+
+
+class SlotModelRunner:
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        num_slots: int,
+        max_len: int,
+        *,
+        batched_query_limit: int = DEFAULT_BATCHED_QUERY_LIMIT,
+    ) -> None:
+        if max_len > model.max_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's RoPE table ({model.max_len}).")
+        self.model = model
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.batched_query_limit = batched_query_limit
+        self.kv_cache: SlotKVCache = model.new_kv_cache(num_slots, max_len)
+        self.device = model.device
+        spec = model.spec
+        self._num_query_groups = spec.num_heads // spec.num_kv_heads
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> SlotModelRunner:
+        return cls(LlamaFamilyModel.from_pretrained(path, dtype, device, max_len=max_len), num_slots, max_len)
+
+    def metadata(
+        self,
+        row_slots: np.ndarray,
+        row_starts: np.ndarray,
+        row_lens: np.ndarray,
+        batched_query_limit: int | None = None,
+    ) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            row_slots,
+            row_starts,
+            row_lens,
+            num_query_groups=self._num_query_groups,
+            windows=self.model.windows,
+            max_len=self.max_len,
+            device=self.device,
+            batched_query_limit=batched_query_limit or self.batched_query_limit,
+        )
+
+    def run(
+        self,
+        token_ids: torch.Tensor,
+        row_slots: np.ndarray,
+        row_starts: np.ndarray,
+        row_lens: np.ndarray,
+        batched_query_limit: int | None = None,
+    ) -> torch.Tensor:
+        """Run rows r = ``row_lens[r]`` tokens of slot ``row_slots[r]`` from position ``row_starts[r]``.
+
+        ``token_ids`` (T,) is the rows' tokens concatenated in row order. Their K/V are written into
+        the slots' cache lines; returns final-norm hidden states (T, hidden) in the model dtype.
+        """
+        meta = self.metadata(row_slots, row_starts, row_lens, batched_query_limit)
+        if token_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"{token_ids.shape[0]} token ids for rows totalling {meta.num_tokens} tokens")
+        return self.model(token_ids.to(self.device), meta, self.kv_cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits (..., vocab) for hidden states (..., hidden)."""
+        return self.model.compute_logits(hidden)

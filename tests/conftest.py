@@ -1,0 +1,15 @@
+"""Shared fixtures: engine cores on the default model (fp32 for exact comparisons)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

@@ -1,0 +1,137 @@
+"""AsyncEngine: streaming, cancellation, abort, responsiveness, failures and clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from nxdserve import AsyncEngine, EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
+from nxdserve.sampling_params import OutputKind
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[AsyncEngine]:
+    async with AsyncEngine(EngineConfig(dtype="float32", backend="torch", max_model_len=256, max_num_seqs=4)) as eng:
+        yield eng
+
+
+def _greedy(max_tokens: int, kind: OutputKind = OutputKind.DELTA) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
+
+
+async def test_stream_deltas_add_up_to_the_final_output(engine: AsyncEngine) -> None:
+    text, tokens, finals = "", [], []
+    async for out in engine.generate("The capital of France is", _greedy(12)):
+        text += out.outputs[0].text
+        tokens += out.outputs[0].token_ids
+        if out.finished:
+            finals.append(out)
+    [final_only] = [o async for o in engine.generate("The capital of France is", _greedy(12, OutputKind.FINAL_ONLY))]
+    assert len(finals) == 1 and finals[0].outputs[0].finish_reason == "length"
+    assert tokens == final_only.outputs[0].token_ids and text == final_only.outputs[0].text
+    assert final_only.metrics.first_token_time is not None and final_only.metrics.finished_time is not None
+
+
+async def test_breaking_out_of_the_iterator_aborts_and_frees_the_slot(engine: AsyncEngine) -> None:
+    seen = 0
+    async for _ in engine.generate("Tell me a long story.", _greedy(200)):
+        seen += 1
+        if seen == 2:
+            break
+    for _ in range(200):
+        if engine.stats().num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
+async def test_abort_is_idempotent_and_ends_the_stream(engine: AsyncEngine) -> None:
+    stream = engine.add_request("Tell me a long story.", _greedy(200), request_id="r1")
+    first = await stream.__anext__()
+    assert not first.finished
+    engine.abort("r1")
+    engine.abort("r1")
+    engine.abort("never-existed")
+    assert [o async for o in stream] == []
+    for _ in range(200):
+        if engine.stats().num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.stats().num_running == 0
+    # The id may be reused once it is gone.
+    out = [o async for o in engine.generate("Hi", _greedy(2), request_id="r1")]
+    assert out[-1].finished
+
+
+async def test_event_loop_stays_responsive_during_generation(engine: AsyncEngine) -> None:
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    outputs = [o async for o in engine.generate("Write a poem about the sea.", _greedy(24))]
+    stop.set()
+    await task
+    # The forward runs in a worker thread, so the ticker runs while each step computes.
+    assert ticks >= len(outputs)
+
+
+async def test_bad_request_raises_typed_error_and_others_continue(engine: AsyncEngine) -> None:
+    good = asyncio.create_task(_collect(engine.generate("Hello there", _greedy(8))))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("", _greedy(4))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([engine.vocab_size], _greedy(4))
+    outs = await good
+    assert outs[-1].outputs[0].finish_reason == "length"
+
+
+async def _collect(gen: AsyncIterator[object]) -> list:  # type: ignore[type-arg]
+    return [o async for o in gen]
+
+
+async def test_backend_failure_finishes_requests_with_error_then_engine_dies() -> None:
+    eng = AsyncEngine(EngineConfig(dtype="float32", backend="torch", max_model_len=128, max_num_seqs=2))
+    await eng.start()
+    try:
+        core = eng.core
+        assert core is not None
+
+        def broken(plan: object) -> object:
+            raise RuntimeError("device fell over")
+
+        core.backend.execute = broken  # type: ignore[method-assign]
+        outs = [o async for o in eng.generate("Hello", _greedy(4))]
+        assert outs[-1].outputs[0].finish_reason == "error" and "device fell over" in (outs[-1].error or "")
+        assert eng.is_healthy  # one failed step does not kill the engine
+        for _ in range(3):
+            [o async for o in eng.generate("Hello", _greedy(4))]
+        for _ in range(100):
+            if not eng.is_healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert not eng.is_healthy
+        with pytest.raises(EngineDeadError):
+            eng.add_request("Hello", _greedy(4))
+    finally:
+        await eng.shutdown()
+
+
+async def test_shutdown_leaves_no_threads() -> None:
+    eng = AsyncEngine(EngineConfig(dtype="float32", backend="torch", max_model_len=128, max_num_seqs=2))
+    await eng.start()
+    stream = eng.add_request("Tell me a story", _greedy(100))
+    await stream.__anext__()
+    await eng.shutdown(drain_timeout=0.1)
+    assert not [t for t in threading.enumerate() if t.name.startswith("nxdserve-model")]
+    assert not eng.is_healthy
