@@ -298,6 +298,8 @@ class AsyncEngine:
                     continue
                 failures = 0
                 self._deliver(core.process(sched, result))
+                if core.proposer is not None:
+                    await loop.run_in_executor(self._executor, core.propose, sched, result)
                 self._maybe_log(core)
                 # Let handlers run between steps even when the forward is very short.
                 await asyncio.sleep(0)

@@ -177,19 +177,14 @@ class EngineCore:
             self.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         num_generated = sum(len(u.new_token_ids) for u in updates)
         self.num_finished_total += sum(1 for u in updates if u.finished)
-        t1 = time.perf_counter()
-        if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running, self.batch, sched, result)
-            self._record_spec(updates)
-        t2 = time.perf_counter()
+        self._record_spec(updates)
         tm = self.timings
         tm.steps += 1
         tm.tokens += sched.plan.total_tokens
         tm.prepare += result.timings.get("prepare", 0.0)
         tm.forward += result.timings.get("forward", 0.0)
         tm.sample += result.timings.get("sample", 0.0)
-        tm.process += t1 - t0
-        tm.propose += t2 - t1
+        tm.process += time.perf_counter() - t0
         self.prompt_tokens_total += sched.num_prefill_tokens
         self.generation_tokens_total += num_generated
         if self.metrics is not None:
@@ -199,6 +194,14 @@ class EngineCore:
             )
         self._record_outputs(outputs)
         return outputs
+
+    def propose(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """Draft tokens for the next step. Model compute: runs in the worker thread under AsyncEngine."""
+        if self.proposer is None:
+            return
+        t0 = time.perf_counter()
+        self.proposer.propose(self.scheduler.running, self.batch, sched, result)
+        self.timings.propose += time.perf_counter() - t0
 
     def _record_spec(self, updates: list[Any]) -> None:
         if self.metrics is None:
@@ -255,7 +258,9 @@ class EngineCore:
             result = self.execute(sched)
         except Exception as error:  # a backend failure ends only this step's requests
             return self.fail_step(sched, error)
-        return self.process(sched, result)
+        outputs = self.process(sched, result)
+        self.propose(sched, result)
+        return outputs
 
     # -- introspection -----------------------------------------------------------------------------
     @property
