@@ -7,6 +7,7 @@ the device (no syncs on an accelerator).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,9 +77,7 @@ class RowParams:
 
     @property
     def needs_penalties(self) -> np.ndarray:
-        return (
-            (self.presence_penalty != 0.0) | (self.frequency_penalty != 0.0) | (self.repetition_penalty != 1.0)
-        )
+        return (self.presence_penalty != 0.0) | (self.frequency_penalty != 0.0) | (self.repetition_penalty != 1.0)
 
 
 def _csr(lists: list[np.ndarray], dtype: type) -> tuple[np.ndarray, np.ndarray]:
@@ -107,7 +106,7 @@ class SlotTables:
     """
 
     def __init__(self, batch: PersistentBatch) -> None:
-        self.batch_id = id(batch)
+        self._batch = weakref.ref(batch)  # not id(): a new batch may reuse a freed one's id
         self.version = batch.version
         empty_i = np.zeros(0, dtype=np.int64)
         empty_f = np.zeros(0, dtype=np.float32)
@@ -127,7 +126,7 @@ class SlotTables:
         self.seeded = np.fromiter((g is not None for g in batch.generators), dtype=bool)
 
     def matches(self, batch: PersistentBatch) -> bool:
-        return self.batch_id == id(batch) and self.version == batch.version
+        return self._batch() is batch and self.version == batch.version
 
     def has_bias(self, slots: np.ndarray) -> np.ndarray:
         return self.bias_offsets[slots + 1] > self.bias_offsets[slots]
