@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -49,8 +51,13 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    registry = get_state(request).engine.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    engine = get_state(request).engine
+    # The engine sets its gauges after each step; aborts that leave it idle take no step, so the
+    # gauges would keep showing the aborted requests. Refresh them from the live state per scrape.
+    with contextlib.suppress(Exception):
+        stats = engine.stats()
+        engine.metrics.record_step(stats.num_running, stats.num_waiting, stats.kv_cache_usage, 0, 0, 0)
+    return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def version(request: Request) -> Response:
@@ -132,12 +139,15 @@ def create_app(
     engine: Any,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
+    log_requests: bool = False,
 ) -> Starlette:
     """The ASGI app over a started AsyncEngine. ``served_model_names`` defaults to the engine's
-    configured names, else its model path; the first name is the one responses report."""
-    names = list(served_model_names or getattr(engine.config, "served_model_name", None) or [])
+    configured names; the first name is the one responses report."""
+    names = list(served_model_names or engine.config.served_model_name or [])
     if not names:
-        names = [str(engine.model_path)]
+        # As vLLM: the --model argument as given; for the embedded model, its folder name. Both
+        # match the model_name label the engine puts on its metrics.
+        names = [engine.config.model or Path(str(engine.model_path)).name]
     middleware = [Middleware(RequestIdMiddleware)]
     if api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
@@ -154,5 +164,7 @@ def create_app(
             Exception: handle_exception,
         },
     )
-    app.state.nxdserve = ServerState(engine=engine, served_model_names=names, api_key=api_key)
+    app.state.nxdserve = ServerState(
+        engine=engine, served_model_names=names, api_key=api_key, log_requests=log_requests
+    )
     return app

@@ -29,6 +29,7 @@ from nxdserve.api.responses import (
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
 from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, run_until_disconnect, sse_frame
 from nxdserve.engine.outputs import Logprob
+from nxdserve.errors import NxdServeError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def render_prompt(engine: Any, req: ChatCompletionRequest | Any) -> str:
             chat_template_kwargs=req.chat_template_kwargs,
             tools=req.tools,
         )
-    except APIError:
+    except (APIError, NxdServeError):
         raise
     except Exception as exc:  # jinja2 TemplateError, "no chat template" ValueError, ...
         raise APIError(f"Cannot apply the chat template: {exc}", param="messages") from exc
@@ -90,6 +91,7 @@ async def create_chat_completion(request: Request) -> Response:
     response_id = f"chatcmpl-{base_request_id(request)}"
     ids = engine_request_ids(request, response_id, len(children))
     calls = [EngineCall(prompt, child, rid, req.add_special_tokens) for child, rid in zip(children, ids, strict=True)]
+    state.log_request(response_id, [prompt], params)
     streams = start_requests(engine, calls)
     view = _ChatView(state, req, model, response_id)
     if req.stream:

@@ -48,6 +48,7 @@ async def create_completion(request: Request) -> Response:
     response_id = f"cmpl-{base_request_id(request)}"
     ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children)))
     calls = [EngineCall(prompt, child, next(ids), req.add_special_tokens) for prompt in prompts for child in children]
+    state.log_request(response_id, prompts, params)
     streams = start_requests(engine, calls)
     view = _CompletionView(state, req, model, response_id, calls)
     if req.stream:

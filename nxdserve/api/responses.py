@@ -21,6 +21,13 @@ def now() -> int:
     return int(time.time())
 
 
+class _StreamChunk(BaseModel):
+    """Stream chunks are dumped with exclude_unset; these fields must appear even when defaulted."""
+
+    def model_post_init(self, context: Any, /) -> None:
+        self.__pydantic_fields_set__.update(("object", "created"))
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -56,7 +63,7 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(_StreamChunk):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now)
@@ -119,7 +126,7 @@ class ChatStreamChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_StreamChunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)

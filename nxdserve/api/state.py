@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -12,7 +14,10 @@ from starlette.requests import Request
 
 from nxdserve.api.errors import APIError, format_validation_error, model_not_found
 
+logger = logging.getLogger("nxdserve.requests")
+
 REQUEST_ID_HEADER = "x-request-id"
+_LOG_PROMPT_CHARS = 200
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -21,7 +26,14 @@ class ServerState:
     engine: Any  # nxdserve.AsyncEngine (duck-typed so framing tests can use a stand-in)
     served_model_names: list[str]
     api_key: str | None = None
+    log_requests: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def log_request(self, request_id: str, prompts: Sequence[str | list[int]], params: Any) -> None:
+        if not self.log_requests:
+            return
+        shown = [p[:_LOG_PROMPT_CHARS] if isinstance(p, str) else f"<{len(p)} token ids>" for p in prompts]
+        logger.info("Received request %s: prompts=%r, params=%s", request_id, shown, params)
 
     @property
     def model_name(self) -> str:

@@ -28,7 +28,7 @@ from nxdserve.bench.datasets import (
 from nxdserve.bench.metrics import METRIC_NAMES, parse_goodput, parse_percentiles
 from nxdserve.bench.report import default_result_path, format_table, result_to_json, write_json
 from nxdserve.bench.runner import BenchConfig, BenchResult, resolve_model, run_benchmark
-from nxdserve.bench.tokenizer import BenchTokenizer, resolve_tokenizer
+from nxdserve.bench.tokenizer import BenchTokenizer, ServerTokenizer, resolve_tokenizer
 
 logger = logging.getLogger("nxdserve.bench")
 
@@ -166,8 +166,12 @@ async def _run(args: argparse.Namespace, cfg: BenchConfig) -> BenchResult:
     logger.info(
         "model %s, tokenizer %s; building %d %s prompts", cfg.model, tokenizer.name, args.num_prompts, args.dataset_name
     )
-    requests = build_dataset(args, tokenizer)
-    return await run_benchmark(cfg, requests, tokenizer)
+    try:
+        requests = build_dataset(args, tokenizer)
+        return await run_benchmark(cfg, requests, tokenizer)
+    finally:
+        if isinstance(tokenizer, ServerTokenizer):
+            tokenizer.close()
 
 
 def main(argv: list[str] | None = None) -> int:

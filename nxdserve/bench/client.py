@@ -115,6 +115,7 @@ class BenchClient:
         api_key: str | None = None,
         max_connections: int = 100,
         timeout_s: float = 6 * 3600.0,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests inject a mock transport
     ) -> None:
         if endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
@@ -129,6 +130,7 @@ class BenchClient:
             limits=limits,
             timeout=httpx.Timeout(timeout_s, connect=30.0),
             trust_env=False,
+            transport=transport,
         )
 
     async def __aenter__(self) -> BenchClient:

@@ -37,18 +37,37 @@ def allowed_token_ids(tokenizer: BenchTokenizer) -> np.ndarray:
     return ids if special is None else np.setdiff1d(ids, special)
 
 
+def padding_pool(
+    tokenizer: BenchTokenizer, allowed: np.ndarray, seed: int = 0, want: int = 32, max_probe: int = 512
+) -> np.ndarray:
+    """Ids that survive a round trip alone: decode to clean text (no U+FFFD) that re-encodes to themselves.
+
+    Padding with a raw byte token (half of a UTF-8 character) makes the decode/re-encode loop oscillate;
+    padding with these settles it. A seeded sample is probed, so a server-side tokenizer costs few calls.
+    """
+    rng = np.random.default_rng(seed)
+    pool: list[int] = []
+    for t in rng.permutation(allowed)[:max_probe].tolist():
+        text = tokenizer.decode([t])
+        if text.strip() and "\ufffd" not in text and tokenizer.encode(text) == [t]:
+            pool.append(t)
+            if len(pool) >= want:
+                break
+    return np.asarray(pool) if pool else allowed
+
+
 def decode_to_target_len(
     tokenizer: BenchTokenizer,
     token_ids: Sequence[int],
     target_len: int,
     rng: np.random.Generator,
-    allowed: np.ndarray,
+    pad_ids: np.ndarray,
     max_retry: int = 10,
 ) -> tuple[str, list[int], int]:
     """Decode ``token_ids`` to text whose re-encoding has ``target_len`` tokens.
 
     N ids do not always decode to text that re-encodes to N ids (BPE merges across the joins, partial UTF-8
-    bytes become U+FFFD), so iterate: decode, re-encode, then truncate or pad with random allowed ids.
+    bytes become U+FFFD), so iterate: decode, re-encode, then truncate or pad with random ``pad_ids``.
     Returns (text, its ids, mismatch); the mismatch is non-zero only if ``max_retry`` rounds did not settle.
     """
     ids = list(token_ids)
@@ -59,7 +78,10 @@ def decode_to_target_len(
         # Stop on the final round without adjusting, so text, ids and mismatch stay consistent.
         if mismatch == 0 or attempt == max_retry:
             return text, ids, mismatch
-        ids = ids[:target_len] if mismatch > 0 else ids + rng.choice(allowed, size=-mismatch).tolist()
+        # Cutting inside a multi-byte character re-creates the overshoot, so each later round cuts one
+        # token deeper and lets the next round pad the gap with clean ids.
+        cut = max(target_len - attempt, 0)
+        ids = ids[:cut] if mismatch > 0 else ids + rng.choice(pad_ids, size=-mismatch).tolist()
     raise AssertionError("unreachable")
 
 
@@ -98,6 +120,7 @@ def random_dataset(
     output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
     offsets = rng.integers(0, tokenizer.vocab_size, size=num_prompts)
     allowed = allowed_token_ids(tokenizer)
+    pad = padding_pool(tokenizer, allowed, seed)
     prefix = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist() if prefix_len > 0 else []
 
     requests: list[SampleRequest] = []
@@ -105,7 +128,7 @@ def random_dataset(
     for i in range(num_prompts):
         inner = allowed[(int(offsets[i]) + i + np.arange(int(input_lens[i]))) % len(allowed)].tolist()
         target = prefix_len + int(input_lens[i])
-        text, ids, mismatch = decode_to_target_len(tokenizer, prefix + inner, target, rng, allowed)
+        text, ids, mismatch = decode_to_target_len(tokenizer, prefix + inner, target, rng, pad)
         mismatch_total += mismatch
         requests.append(SampleRequest(text, len(ids), int(output_lens[i]), request_id=f"random-{i}"))
     _warn_mismatch(mismatch_total)
@@ -175,7 +198,7 @@ def sharegpt_like_dataset(
     filler text trimmed to the exact token count.
     """
     rng = np.random.default_rng(seed)
-    allowed = allowed_token_ids(tokenizer)
+    pad = padding_pool(tokenizer, allowed_token_ids(tokenizer), seed)
     requests: list[SampleRequest] = []
     mismatch_total = 0
     draws = 0
@@ -189,7 +212,7 @@ def sharegpt_like_dataset(
             continue
         # About 1.3 tokens per English word; over-generate a little and trim in token space.
         ids = tokenizer.encode(_synthetic_text(rng, p_len))[:p_len]
-        text, ids, mismatch = decode_to_target_len(tokenizer, ids, p_len, rng, allowed)
+        text, ids, mismatch = decode_to_target_len(tokenizer, ids, p_len, rng, pad)
         mismatch_total += mismatch
         requests.append(SampleRequest(text, len(ids), o_len, request_id=f"sharegpt-like-{len(requests)}"))
     _warn_mismatch(mismatch_total)
@@ -216,9 +239,10 @@ def prefix_repetition_dataset(
         raise ValueError(f"num_prompts ({num_prompts}) must be at least num_prefixes ({num_prefixes}) >= 1.")
     rng = np.random.default_rng(seed)
     allowed = allowed_token_ids(tokenizer)
+    pad = padding_pool(tokenizer, allowed, seed)
 
     def exact(length: int) -> tuple[str, list[int], int]:
-        return decode_to_target_len(tokenizer, rng.choice(allowed, size=length).tolist(), length, rng, allowed)
+        return decode_to_target_len(tokenizer, rng.choice(allowed, size=length).tolist(), length, rng, pad)
 
     prefixes = [exact(prefix_len) for _ in range(num_prefixes)]
     mismatch_total = sum(p[2] for p in prefixes)

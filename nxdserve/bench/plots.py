@@ -103,8 +103,12 @@ def _plot_load(plt: Any, result: BenchResult, plot_dir: str) -> str | None:
         return None
     ts = [s.time - result.start_time for s in samples]
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot(ts, [s.running if s.running is not None else np.nan for s in samples], label="running")
-    ax.plot(ts, [s.waiting if s.waiting is not None else np.nan for s in samples], label="waiting")
+    ax.plot(
+        ts, [s.running if s.running is not None else np.nan for s in samples], label="running", drawstyle="steps-post"
+    )
+    ax.plot(
+        ts, [s.waiting if s.waiting is not None else np.nan for s in samples], label="waiting", drawstyle="steps-post"
+    )
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("requests")
     ax.set_title("Server queue (from /metrics)")

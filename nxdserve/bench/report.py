@@ -108,7 +108,8 @@ def result_to_json(result: BenchResult, save_detailed: bool = False) -> dict[str
     if save_detailed:
         out["generated_texts"] = [r.generated_text for r in recs]
     out.update(result.extra)
-    return _json_safe(out)
+    safe: dict[str, Any] = _json_safe(out)
+    return safe
 
 
 def default_result_path() -> str:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,14 @@ class BenchResult:
             self.config.goodput or None,
             self.config.metric_names,
         )
+
+
+def token_counter(tokenizer: BenchTokenizer | None) -> Callable[[str], int] | None:
+    """Counts generated tokens by re-tokenizing, for servers that report no usage."""
+    if tokenizer is None:
+        return None
+    tok = tokenizer
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
 
 
 async def resolve_model(client: BenchClient, model: str | None) -> tuple[str, str | None]:
@@ -180,14 +188,7 @@ async def run_benchmark(
         finally:
             samples = await monitor.stop()
 
-    count = None
-    if tokenizer is not None:
-        tok = tokenizer
-
-        def count(text: str) -> int:
-            return len(tok.encode(text, add_special_tokens=False))
-
-    output_lens = resolve_output_lens(records, count)
+    output_lens = resolve_output_lens(records, token_counter(tokenizer))
     metrics = calculate_metrics(records, output_lens, duration, cfg.percentiles, cfg.goodput or None, cfg.metric_names)
     failed = [r for r in records if not r.success]
     for rec in failed[:10]:  # the first few say enough; a dead server would otherwise flood the log

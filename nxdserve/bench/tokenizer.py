@@ -172,24 +172,18 @@ def agrees_with_server(local: BenchTokenizer, server: BenchTokenizer) -> bool:
 
 
 def default_nxdserve_tokenizer_path() -> str | None:
-    """The embedded default model of nxdserve, when its model-resolution module is importable."""
+    """The folder of nxdserve's embedded default model, when its model-resolution module is importable."""
     try:
         from nxdserve.model_files import resolve_model  # imported lazily: optional for a bare load generator
     except ImportError:
         return None
     try:
-        resolved: Any = resolve_model(None)
+        # Cheap once the server has prepared the model; the first call converts the packaged GGUF.
+        path = resolve_model(None, progress=False)
     except Exception as exc:  # a resolution failure only costs us the local fast path
         logger.debug("nxdserve default model not resolvable: %s", exc)
         return None
-    # Tolerate both a plain path and a small object describing the model files.
-    for attr in ("tokenizer_path", "tokenizer", "path", "model_path"):
-        value = getattr(resolved, attr, None)
-        if isinstance(value, str | os.PathLike) and os.path.exists(value):
-            return os.fspath(value)
-    if isinstance(resolved, str | os.PathLike) and os.path.exists(resolved):
-        return os.fspath(resolved)
-    return None
+    return os.fspath(path) if os.path.exists(path) else None
 
 
 def resolve_tokenizer(
@@ -201,23 +195,27 @@ def resolve_tokenizer(
 ) -> BenchTokenizer:
     """Pick the tokenizer: ``explicit`` path (or "server"), else a verified local candidate, else the server's.
 
-    Candidates, in order: the served model's ``root`` when it is a local path (vLLM and nxdserve report the
-    model path there), then nxdserve's default model.
+    Candidates, in order: the served model's ``root`` or id when it is a local path (vLLM and nxdserve report
+    the model path as root, llama.cpp as id), then nxdserve's default model.
     """
     if explicit == "server":
         return ServerTokenizer(base_url, model, headers)
     if explicit:
         return HFTokenizer.from_path(explicit)
     server_ok = server_can_tokenize(base_url, model, headers)
-    candidates = [p for p in (model_root, default_nxdserve_tokenizer_path()) if p and os.path.exists(p)]
-    for path in candidates:
+    local_paths = [p for p in (model_root, model) if p and os.path.exists(p)]
+    for path in [*local_paths, None]:
+        if path is None:  # the last resort, resolved only when needed: it may convert a model
+            path = default_nxdserve_tokenizer_path()
+            if path is None:
+                break
         try:
             local = HFTokenizer.from_path(path)
         except Exception as exc:  # wrong kind of file, missing tokenizer files: try the next one
             logger.debug("cannot load tokenizer from %s: %s", path, exc)
             continue
         if not server_ok:
-            logger.info("using local tokenizer %s (server has no /tokenize to check it against)", path)
+            logger.warning("using local tokenizer %s unchecked: the server has no /tokenize to compare with", path)
             return local
         server = ServerTokenizer(base_url, model, headers)
         try:

@@ -14,32 +14,56 @@ from nxdserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 NXD_INSTALL_HINT = (
-    "NxD Inference is not installed. On a Trn1/Inf2/Trn2 instance install it from AWS's Neuron pip "
+    "On a Trn1/Inf2/Trn2 instance install NxD Inference from AWS's Neuron pip "
     "repository: pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
     "neuronx-distributed-inference (the packages of that name on PyPI are placeholders). "
     "See docs/neuron.md."
 )
 
 
+def neuron_devices() -> list[str]:
+    """Neuron device nodes visible to this process (``/dev/neuron0`` ...). Tests patch this function."""
+    return sorted(glob.glob("/dev/neuron*"))
+
+
+def nxd_import_error() -> str | None:
+    """None when ``neuronx_distributed_inference`` imports; else why not (a placeholder wheel from PyPI,
+    or a missing torch-neuronx / neuronx-distributed, fails here rather than at model load)."""
+    if importlib.util.find_spec("neuronx_distributed_inference") is None:
+        return "neuronx_distributed_inference is not installed"
+    try:
+        importlib.import_module("neuronx_distributed_inference.models.config")
+    except Exception as exc:  # any failure means "cannot use it"; the message says which
+        return f"neuronx_distributed_inference is installed but does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
 def nxd_status() -> tuple[bool, str]:
     """Whether the nxd backend can run here, and why (for the startup log)."""
     if importlib.util.find_spec("neuronx_distributed_inference") is None:
         return False, "neuronx_distributed_inference is not installed"
-    if not glob.glob("/dev/neuron*"):
+    if not neuron_devices():
         return False, "neuronx_distributed_inference is installed but no Neuron device (/dev/neuron*) is visible"
+    error = nxd_import_error()
+    if error is not None:
+        return False, error
     return True, "neuronx_distributed_inference imports and a Neuron device is visible"
 
 
 def select_backend_name(requested: str) -> str:
     if requested == "torch":
         return "torch"
-    ok, why = nxd_status()
     if requested == "nxd":
-        if importlib.util.find_spec("neuronx_distributed_inference") is None:
-            raise ConfigError(f"--backend nxd: {NXD_INSTALL_HINT}")
+        error = nxd_import_error()
+        if error is not None:
+            raise ConfigError(f"--backend nxd: {error}. {NXD_INSTALL_HINT}")
+        if not neuron_devices():
+            logger.warning("--backend nxd: no Neuron device (/dev/neuron*) is visible; loading will likely fail")
+        logger.info("backend nxd (requested)")
         return "nxd"
     if requested != "auto":
         raise ConfigError(f"unknown backend {requested!r}; choose auto, torch or nxd")
+    ok, why = nxd_status()
     name = "nxd" if ok else "torch"
     logger.info("backend auto -> %s (%s)", name, why)
     return name

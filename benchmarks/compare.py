@@ -1,0 +1,480 @@
+"""Run the same serving workloads against nxdserve and, where installed, vLLM (CPU) and llama.cpp's server.
+
+Each server is started as a subprocess on a free loopback port, waited for on /health, driven with the
+``nxdserve.bench`` library and stopped, one server after another so they never share the CPU. The table
+gives each metric per server and its ratio to vLLM (or to the first peer found). See benchmarks/README.md.
+
+    python benchmarks/compare.py                              # every available server, all workloads
+    python benchmarks/compare.py --vllm-python ~/vllm-venv/bin/python --workloads a,d
+    python benchmarks/compare.py --servers nxdserve,nxdserve-prefill-first --workloads d --scale 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+if importlib.util.find_spec("nxdserve") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import nxdserve
+from nxdserve.bench.client import (
+    BenchClient,
+    BenchError,
+    RequestRecord,
+    SamplingOptions,
+    wait_for_server,
+)
+from nxdserve.bench.datasets import random_dataset
+from nxdserve.bench.metrics import calculate_metrics, resolve_output_lens
+from nxdserve.bench.runner import BenchConfig, dispatch, resolve_model, run_benchmark, token_counter, warm_up
+from nxdserve.bench.tokenizer import BenchTokenizer, HFTokenizer
+
+# The server subprocesses must run the very nxdserve this script imported.
+NXDSERVE_ROOT = str(Path(nxdserve.__file__).resolve().parents[1])
+SERVER_KINDS = ("nxdserve", "nxdserve-prefill-first", "vllm", "llamacpp")
+REFERENCE_ORDER = ("vllm", "llamacpp")  # ratios are taken to the first of these that ran
+VLLM_CPU_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+}
+
+
+# -- workloads -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    key: str
+    label: str
+    higher_is_better: bool
+
+
+@dataclass(frozen=True)
+class Shape:
+    """``num_prompts`` random prompts of ``input_len`` tokens asking for ``output_len`` (ignore_eos)."""
+
+    input_len: int
+    output_len: int
+    num_prompts: int
+    concurrency: int | None = None  # None: all at once
+
+
+@dataclass
+class Workload:
+    key: str
+    metrics: list[MetricSpec]
+    shapes: tuple[Shape, ...]  # full size; d has (short, long)
+    smoke: tuple[Shape, ...]  # --smoke: the same pattern, small enough to check the harness in a minute
+    prefill_first: bool = False  # also run on nxdserve's prefill-first mode
+
+    def active(self, args: argparse.Namespace) -> tuple[Shape, ...]:
+        return self.smoke if args.smoke else self.shapes
+
+    def title(self, args: argparse.Namespace) -> str:
+        sh = self.active(args)
+        if self.key == "d":
+            short, long = sh
+            return (
+                f"d: {long.num_prompts} x {long.input_len}-token prompts arrive while {short.num_prompts} short "
+                f"({short.input_len} in, {short.output_len} out) decode"
+            )
+        (one,) = sh
+        load = "single stream" if one.concurrency == 1 else f"{one.concurrency} concurrent"
+        return f"{self.key}: {load} x ({one.input_len} in, {one.output_len} out)"
+
+    def run(self, url: str, tok: BenchTokenizer, args: argparse.Namespace) -> dict[str, Any]:
+        if self.key == "d":
+            short, long = self.active(args)
+            return asyncio.run(run_mixed(url, tok, short, long, args.seed, args.trigger_timeout))
+        (one,) = self.active(args)
+        return run_standard(url, tok, one, args)
+
+
+THROUGHPUT = MetricSpec("output_throughput", "output tok/s", True)
+REQ_THROUGHPUT = MetricSpec("request_throughput", "requests/s", True)
+TOTAL_THROUGHPUT = MetricSpec("total_token_throughput", "total tok/s", True)
+MEDIAN_TTFT = MetricSpec("median_ttft_ms", "median TTFT ms", False)
+P99_TTFT = MetricSpec("p99_ttft_ms", "p99 TTFT ms", False)
+MEDIAN_TPOT = MetricSpec("median_tpot_ms", "median TPOT ms", False)
+P99_ITL = MetricSpec("p99_itl_ms", "p99 ITL ms", False)
+
+
+def run_standard(url: str, tok: BenchTokenizer, shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    num = max(1, round(shape.num_prompts * args.scale))
+    reqs = random_dataset(tok, num, shape.input_len, shape.output_len, seed=args.seed)
+    cfg = BenchConfig(
+        base_url=url,
+        max_concurrency=shape.concurrency,
+        sampling=SamplingOptions(ignore_eos=True),
+        percentiles=[50.0, 99.0],
+        metrics_interval_s=0.0,  # no /metrics polling: keep the client's CPU use minimal
+        seed=args.seed,
+    )
+    result = asyncio.run(run_benchmark(cfg, reqs, tok))
+    return result.metrics.to_dict()
+
+
+async def run_mixed(
+    url: str, tok: BenchTokenizer, short_shape: Shape, long_shape: Shape, seed: int, trigger_timeout_s: float
+) -> dict[str, Any]:
+    """The short requests start together; once each has its first token, the long prompts arrive at once.
+
+    The short requests' ITLs then show how long the long prefills stall decoding (chunked prefill should
+    bound it; prefill-first does not), and the long requests' TTFT what that protection costs them.
+    """
+    short = random_dataset(tok, short_shape.num_prompts, short_shape.input_len, short_shape.output_len, seed=seed)
+    long = random_dataset(tok, long_shape.num_prompts, long_shape.input_len, long_shape.output_len, seed=seed + 1)
+    sampling = SamplingOptions(ignore_eos=True)
+    async with BenchClient(url, max_connections=len(short) + len(long) + 1) as client:
+        model, _ = await resolve_model(client, None)
+        await warm_up(client, model, long[0], sampling)  # the long shape too: first-call costs stay out
+        short_recs = [RequestRecord(r.request_id, r.prompt_len, r.expected_output_len, "short") for r in short]
+        short_task = asyncio.create_task(dispatch(client, model, short, sampling, [0.0] * len(short), None, short_recs))
+        deadline = time.perf_counter() + trigger_timeout_s
+        while any(r.ttft is None for r in short_recs) and not short_task.done() and time.perf_counter() < deadline:
+            await asyncio.sleep(0.005)
+        decoding_at_arrival = sum(1 for r in short_recs if r.ttft is not None and not r.done)
+        long_recs, _, _ = await dispatch(client, model, long, sampling, [0.0] * len(long), None)
+        _, _, duration = await short_task
+
+    # How many short requests were mid-decode when the long ones arrived: all of them makes a fair test.
+    out: dict[str, Any] = {"short_decoding_when_long_arrived": decoding_at_arrival}
+    for name, recs in (("short", short_recs), ("long", long_recs)):
+        lens = resolve_output_lens(recs, token_counter(tok))
+        m = calculate_metrics(recs, lens, duration, [50.0, 99.0])
+        itls = [g for r in recs for g in r.itl]
+        out[f"{name}_failed"] = m.failed
+        out[f"{name}_max_itl_ms"] = 1000 * max(itls) if itls else 0.0
+        out[f"{name}_median_itl_ms"] = m.stats["itl"].median
+        out[f"{name}_p99_itl_ms"] = m.stats["itl"].percentiles[99.0]
+        out[f"{name}_mean_ttft_ms"] = m.stats["ttft"].mean
+        out[f"{name}_max_ttft_ms"] = 1000 * max((r.ttft or 0.0 for r in recs if r.success), default=0.0)
+    return out
+
+
+WORKLOADS: dict[str, Workload] = {
+    "a": Workload(
+        "a",
+        [THROUGHPUT, REQ_THROUGHPUT, MEDIAN_TTFT, MEDIAN_TPOT, P99_ITL],
+        (Shape(70, 64, num_prompts=64, concurrency=32),),
+        (Shape(70, 16, num_prompts=8, concurrency=8),),
+    ),
+    "b": Workload(
+        "b",
+        [MEDIAN_TPOT, THROUGHPUT, MEDIAN_TTFT],
+        (Shape(32, 128, num_prompts=4, concurrency=1),),
+        (Shape(32, 16, num_prompts=1, concurrency=1),),
+    ),
+    "c": Workload(
+        "c",
+        [MEDIAN_TTFT, P99_TTFT, MEDIAN_TPOT, TOTAL_THROUGHPUT],
+        (Shape(1000, 32, num_prompts=16, concurrency=8),),
+        (Shape(300, 8, num_prompts=4, concurrency=4),),
+    ),
+    "d": Workload(
+        "d",
+        [
+            MetricSpec("short_max_itl_ms", "short: max ITL ms", False),
+            MetricSpec("short_median_itl_ms", "short: median ITL ms", False),
+            MetricSpec("long_mean_ttft_ms", "long: mean TTFT ms", False),
+            MetricSpec("long_max_ttft_ms", "long: max TTFT ms", False),
+        ],
+        (Shape(64, 128, num_prompts=24), Shape(1500, 16, num_prompts=4)),
+        (Shape(32, 24, num_prompts=4), Shape(400, 4, num_prompts=1)),
+        prefill_first=True,
+    ),
+}
+
+
+# -- servers -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    cmd: Callable[[int], list[str]]  # port -> argv
+    workloads: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)  # as launched, for the result file
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(spec: ServerSpec, log_dir: Path, startup_timeout_s: float) -> Iterator[str]:
+    """Start ``spec`` on a free loopback port, yield its base URL once healthy, then stop it."""
+    port = free_port()
+    argv = spec.argv = spec.cmd(port)
+    log_path = log_dir / f"{spec.name}.log"
+    print(f"[{spec.name}] starting: {' '.join(argv)}  (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        # A new session makes the server the leader of its own process group, so stopping it also stops
+        # the workers it spawns (vLLM's engine core) and nothing else.
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **spec.env}, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        wait_for_server(url, startup_timeout_s, alive=lambda: proc.poll() is None)
+        print(f"[{spec.name}] healthy after {time.monotonic() - t0:.1f}s", flush=True)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _python_has(python: str, module: str, timeout_s: float = 180.0) -> bool:
+    try:
+        res = subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return res.returncode == 0
+
+
+def build_servers(args: argparse.Namespace, model_dir: str, gguf: str | None) -> tuple[list[ServerSpec], list[str]]:
+    """The servers to run, in order, and a note for each requested one that is not available."""
+    wanted = SERVER_KINDS if args.servers == "auto" else tuple(s.strip() for s in args.servers.split(","))
+    unknown = set(wanted) - set(SERVER_KINDS)
+    if unknown:
+        raise SystemExit(f"--servers: unknown {sorted(unknown)}; choose from {SERVER_KINDS}")
+    workloads = [w for w in args.workloads.split(",") if w]
+    threads = str(args.threads)
+    specs: list[ServerSpec] = []
+    notes: list[str] = []
+
+    def nxd(chunked: bool) -> Callable[[int], list[str]]:
+        def cmd(port: int) -> list[str]:
+            argv = [sys.executable, "-m", "nxdserve.cli", "--host", "127.0.0.1", "--port", str(port)]
+            argv += ["--max-model-len", str(args.max_model_len), "--max-num-seqs", "32", "--num-threads", threads]
+            argv += ["--disable-log-requests", "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"]
+            if args.model:
+                argv += ["--model", args.model]
+            return argv + shlex.split(str(args.nxdserve_args))
+
+        return cmd
+
+    nxd_env = {"PYTHONPATH": os.pathsep.join(filter(None, [NXDSERVE_ROOT, os.environ.get("PYTHONPATH")]))}
+    if "nxdserve" in wanted:
+        specs.append(ServerSpec("nxdserve", nxd(True), workloads, nxd_env))
+    if "nxdserve-prefill-first" in wanted:
+        pf = workloads if args.prefill_first_all else [w for w in workloads if WORKLOADS[w].prefill_first]
+        if pf:
+            specs.append(ServerSpec("nxdserve-prefill-first", nxd(False), pf, nxd_env))
+
+    if "vllm" in wanted:
+        python = args.vllm_python
+        if not python:
+            notes.append("vllm: skipped (no --vllm-python / $VLLM_PYTHON)")
+        elif not (os.path.exists(python) and _python_has(python, "vllm")):
+            notes.append(f"vllm: skipped ({python} cannot import vllm)")
+        else:
+            vllm_model = args.vllm_model or model_dir
+
+            def vllm_cmd(port: int) -> list[str]:
+                argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model]
+                argv += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len)]
+                return argv + shlex.split(str(args.vllm_args))
+
+            specs.append(ServerSpec("vllm", vllm_cmd, workloads, dict(VLLM_CPU_ENV)))
+
+    if "llamacpp" in wanted:
+        binary = shutil.which(args.llamacpp_bin)
+        model = args.llamacpp_model or gguf
+        if binary is None:
+            notes.append(f"llamacpp: skipped ({args.llamacpp_bin} not on PATH)")
+        elif not model:
+            notes.append("llamacpp: skipped (no GGUF model; pass --llamacpp-model)")
+        else:
+            parallel = 32
+
+            def llama_cmd(port: int) -> list[str]:
+                # llama.cpp splits -c evenly over its slots: give each slot a whole max_model_len.
+                argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", threads]
+                argv += ["-np", str(parallel), "-c", str(parallel * args.max_model_len), "--metrics"]
+                return argv + shlex.split(str(args.llamacpp_args))
+
+            specs.append(ServerSpec("llamacpp", llama_cmd, workloads))
+    return specs, notes
+
+
+# -- results -------------------------------------------------------------------------------------------
+
+
+def reference_server(results: dict[str, dict[str, dict[str, Any]]]) -> str | None:
+    ran = {server for per_wl in results.values() for server, r in per_wl.items() if "error" not in r}
+    return next((s for s in REFERENCE_ORDER if s in ran), None)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+    return "-" if value is None else str(value)
+
+
+def format_table(
+    results: dict[str, dict[str, dict[str, Any]]], servers: Sequence[str], args: argparse.Namespace
+) -> str:
+    ref = reference_server(results)
+    others = [s for s in servers if s != ref] if ref else []
+    header = ["workload / metric", "better", *servers, *[f"{s}/{ref}" for s in others]]
+    rows: list[list[str]] = []
+    for key, per_server in results.items():
+        wl = WORKLOADS[key]
+        rows.append([wl.title(args), "", *([""] * (len(servers) + len(others)))])
+        for m in wl.metrics:
+            values = [per_server.get(s, {}).get(m.key) for s in servers]
+            row = ["  " + m.label, "higher" if m.higher_is_better else "lower", *[_fmt(v) for v in values]]
+            ref_value = per_server.get(ref, {}).get(m.key) if ref else None
+            for s in others:
+                v = per_server.get(s, {}).get(m.key)
+                if isinstance(v, float | int) and isinstance(ref_value, float | int) and ref_value:
+                    row.append(f"{v / ref_value:.2f}x")
+                else:
+                    row.append("-")
+            rows.append(row)
+        for s in servers:
+            if "error" in per_server.get(s, {}):
+                rows.append([f"  ({s} failed: {per_server[s]['error'][:80]})", "", *([""] * (len(header) - 2))])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    if ref is None:
+        lines.append("(no peer server ran: nxdserve only, no ratios)")
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default="auto", help=f"comma list of {', '.join(SERVER_KINDS)}; auto: all found")
+    p.add_argument("--workloads", default="a,b,c,d", help="comma list of a,b,c,d")
+    p.add_argument("--model", default=None, help="nxdserve --model (default: its embedded default model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for the datasets (default: the model's)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2, help="compute threads each server may use")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the prompt counts of a, b, c")
+    p.add_argument("--smoke", action="store_true", help="tiny versions of every workload: checks the harness")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trigger-timeout", type=float, default=300.0, help="d: max wait for the short requests")
+    p.add_argument("--prefill-first-all", action="store_true", help="run every workload in prefill-first mode")
+    p.add_argument("--nxdserve-args", default="", help="extra nxdserve flags")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of the vLLM CPU venv")
+    p.add_argument("--vllm-model", default=None, help="default: nxdserve's model folder")
+    p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
+    p.add_argument("--llamacpp-bin", default="llama-server")
+    p.add_argument("--llamacpp-model", default=None, help="GGUF file (default: nxdserve's embedded GGUF)")
+    p.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--result-file", default=None, help="default: bench-results/compare-<timestamp>.json")
+    return p
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(nxdserve's model folder, a GGUF for llama.cpp if one is known)."""
+    from nxdserve.model_files import default_gguf_path, resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    gguf: str | None = None
+    if args.model is None:
+        gguf = str(default_gguf_path())
+    elif args.model.endswith(".gguf"):
+        gguf = args.model
+    return model_dir, gguf
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    bad = [w for w in args.workloads.split(",") if w and w not in WORKLOADS]
+    if bad:
+        raise SystemExit(f"--workloads: unknown {bad}; choose from {sorted(WORKLOADS)}")
+    model_dir, gguf = resolve_models(args)
+    tokenizer = HFTokenizer.from_path(args.tokenizer or model_dir)
+    specs, notes = build_servers(args, model_dir, gguf)
+    for note in notes:
+        print(note, flush=True)
+    if not specs:
+        print("nothing to run", file=sys.stderr)
+        return 1
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    result_file = Path(args.result_file or f"bench-results/compare-{stamp}.json")
+    log_dir = result_file.parent / f"compare-{stamp}-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in args.workloads.split(",") if w}
+    for spec in specs:
+        try:
+            with running_server(spec, log_dir, args.startup_timeout) as url:
+                for key in spec.workloads:
+                    t0 = time.monotonic()
+                    try:
+                        results[key][spec.name] = WORKLOADS[key].run(url, tokenizer, args)
+                    except (BenchError, OSError, ValueError) as exc:
+                        results[key][spec.name] = {"error": str(exc)}
+                    print(f"[{spec.name}] workload {key} done in {time.monotonic() - t0:.1f}s", flush=True)
+        except BenchError as exc:  # the server never became healthy
+            print(f"[{spec.name}] failed to start: {exc}", flush=True)
+            for key in spec.workloads:
+                results[key][spec.name] = {"error": f"server failed to start: {exc}"}
+
+    servers = [s.name for s in specs]
+    print()
+    print(format_table(results, servers, args))
+    data = {
+        "date": stamp,
+        "model": model_dir,
+        "servers": {s.name: {"argv": s.argv, "env": s.env} for s in specs},
+        "skipped": notes,
+        "reference": reference_server(results),
+        "smoke": args.smoke,
+        "workloads": {k: {"title": WORKLOADS[k].title(args), "results": v} for k, v in results.items()},
+        "server_logs": str(log_dir),
+    }
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    result_file.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"\nResults written to {result_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""Running the app: engine start-up with progress, uvicorn, and a bounded drain on SIGTERM/SIGINT.
+
+Shutdown order: the signal makes uvicorn stop listening; at the same moment the engine stops
+accepting and lets in-flight requests finish for up to ``drain_timeout`` seconds, then aborts the
+rest, which ends their responses; uvicorn then closes the connections (cancelling any handler still
+running ``grace`` seconds later) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from nxdserve.api.app import create_app
+
+logger = logging.getLogger("nxdserve.server")
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+_SHUTDOWN_GRACE_S = 3.0
+_PROGRESS_INTERVAL_S = 5.0
+
+
+@dataclass
+class ServeOptions:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    log_requests: bool = True
+    log_level: str = "info"
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: Any, drain_timeout: float, on_ready: Callable[[], None]):
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.on_ready = on_ready
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # serve() owns the signal handlers: uvicorn's re-raise the signal after shutdown, which
+        # would turn a clean drain into a death by SIGTERM.
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_ready()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = asyncio.create_task(self.engine.shutdown(drain_timeout=self.drain_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await drain
+
+    def bound_port(self) -> int | None:
+        for server in self.servers:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return None
+
+
+async def _report_progress(started: float) -> None:
+    while True:
+        await asyncio.sleep(_PROGRESS_INTERVAL_S)
+        logger.info("still loading the model ... %.0fs", time.monotonic() - started)
+
+
+async def start_engine(engine_config: Any) -> Any:
+    """Create and start an AsyncEngine, logging progress while the model loads."""
+    from nxdserve import AsyncEngine
+
+    started = time.monotonic()
+    logger.info("loading model %s ...", engine_config.model or "(embedded default model)")
+    engine = AsyncEngine(engine_config)
+    progress = asyncio.create_task(_report_progress(started))
+    try:
+        await engine.start()
+    finally:
+        progress.cancel()
+    cfg = engine.config
+    logger.info(
+        "model loaded in %.1fs: %s, backend=%s, scheduling=%s",
+        time.monotonic() - started,
+        engine.model_path,
+        engine.backend_name,
+        cfg.scheduling_mode,
+    )
+    logger.info("effective configuration: %s", json.dumps(dataclasses.asdict(cfg), default=str, sort_keys=True))
+    return engine
+
+
+def _uvicorn_config(app: Any, opts: ServeOptions) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_level=opts.log_level.lower(),
+        access_log=opts.log_requests,
+        lifespan="off",  # the engine's life is managed here, around uvicorn
+        timeout_graceful_shutdown=int(opts.drain_timeout + _SHUTDOWN_GRACE_S),
+        timeout_keep_alive=30,
+    )
+
+
+async def serve(engine_config: Any, opts: ServeOptions) -> int:
+    """Load, serve until SIGTERM/SIGINT, drain, exit code 0."""
+    loop = asyncio.get_running_loop()
+    server: _DrainingServer | None = None
+    stop_requested = False
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal stop_requested
+        if server is None:
+            stop_requested = True
+            logger.info("%s received while loading; exiting once the model is loaded", sig.name)
+        elif server.should_exit and sig == signal.SIGINT:
+            logger.warning("second SIGINT: exiting without waiting for requests")
+            server.force_exit = True
+        else:
+            logger.info("%s received: draining in-flight requests (up to %.0fs)", sig.name, opts.drain_timeout)
+            server.should_exit = True
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    for sig in handled:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        engine = await start_engine(engine_config)
+        if stop_requested:
+            await engine.shutdown(drain_timeout=0)
+            return 0
+        app = create_app(engine, opts.served_model_names or None, opts.api_key, log_requests=opts.log_requests)
+        names = app.state.nxdserve.served_model_names
+
+        def ready() -> None:
+            assert server is not None
+            port = server.bound_port() or opts.port
+            host = "127.0.0.1" if opts.host in ("0.0.0.0", "", "::") else opts.host
+            print(
+                f"nxdserve ready: {', '.join(names)} at http://{host}:{port}/v1 "
+                f"(backend={engine.backend_name}, scheduling={engine.config.scheduling_mode})",
+                flush=True,
+            )
+
+        server = _DrainingServer(_uvicorn_config(app, opts), engine, opts.drain_timeout, ready)
+        await server.serve()
+        if not server.started:  # e.g. the port is taken: uvicorn logged why
+            await engine.shutdown(drain_timeout=0)
+            return 1
+        logger.info("shut down cleanly")
+        return 0
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+class BackgroundServer:
+    """Engine and server on a private event loop in a daemon thread: for tests and notebooks.
+
+    ``call_soon(fn)`` runs ``fn`` on the server's loop (the engine is not thread-safe)."""
+
+    def __init__(self, engine_config: Any, opts: ServeOptions | None = None) -> None:
+        self.engine_config = engine_config
+        self.opts = opts or ServeOptions(host="127.0.0.1", port=0, log_requests=False, log_level="warning")
+        self.engine: Any = None
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: _DrainingServer | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nxdserve-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.opts.host}:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> BackgroundServer:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the server did not start in time")
+        if self._error is not None:
+            raise RuntimeError("the server failed to start") from self._error
+        return self
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._server is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(setattr, self._server, "should_exit", True)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            self.engine = await start_engine(self.engine_config)
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            raise
+        app = create_app(self.engine, self.opts.served_model_names or None, self.opts.api_key)
+
+        def ready() -> None:
+            assert self._server is not None
+            self.port = self._server.bound_port()
+            self._ready.set()
+
+        self._server = _DrainingServer(_uvicorn_config(app, self.opts), self.engine, self.opts.drain_timeout, ready)
+        await self._server.serve()

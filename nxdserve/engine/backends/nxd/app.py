@@ -1,0 +1,176 @@
+"""Build, compile (once), load and warm up the NxD application for a model.
+
+Compiling a model for Neuron takes minutes to tens of minutes, so the result is cached on disk under
+a key that hashes the whole InferenceConfig (the HF config included), the NxD version and the model
+paths; a second start with the same settings only loads. Compilation goes into a temporary sibling
+folder that is renamed into place when complete, under a file lock, so concurrent starts compile
+once and an interrupted compile is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nxdserve.config import EngineConfig
+from nxdserve.engine.backends.nxd.neuron_config import (
+    NxdSettings,
+    artifact_dir,
+    artifact_key,
+    check_supported,
+    default_neuron_config,
+    draft_neuron_config,
+    merge_overrides,
+    pick_model_class,
+)
+from nxdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".nxdserve-complete.json"
+PROGRESS_INTERVAL_S = 60.0
+
+
+@dataclass
+class LoadedApp:
+    app: Any  # the NxD application (NeuronBaseForCausalLM subclass), loaded and warmed up
+    settings: NxdSettings
+    artifacts: Path
+    compiled_now: bool
+
+
+def nxd_version() -> str:
+    try:
+        from neuronx_distributed_inference._version import __version__
+
+        return str(__version__)
+    except ImportError:  # very old releases have no _version module
+        return "unknown"
+
+
+def build_inference_config(model_path: Path, config: EngineConfig, hf_config: Any) -> tuple[Any, Any]:
+    """(application class, InferenceConfig) for the model, defaults merged with the overrides."""
+    from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig
+    from neuronx_distributed_inference.utils.constants import MODEL_TYPES
+    from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
+
+    cls = pick_model_class(hf_config, MODEL_TYPES)
+    kwargs, draft_overrides = merge_overrides(default_neuron_config(config), config.override_neuron_config)
+    neuron_config = cls.get_neuron_config_cls()(**kwargs)
+    inference_config = cls.get_config_cls()(neuron_config, load_config=load_pretrained_config(str(model_path)))
+    if getattr(neuron_config, "enable_fused_speculation", False):
+        spec = config.speculative_config or {}
+        draft_path = spec.get("model")
+        if not draft_path:
+            raise ConfigError("Fused speculation on NxD needs a draft model: --speculative-config '{\"model\": ...}'.")
+        draft_nc = cls.get_neuron_config_cls()(**draft_neuron_config(kwargs, draft_overrides))
+        draft_config = cls.get_config_cls()(draft_nc, load_config=load_pretrained_config(str(draft_path)))
+        inference_config.fused_spec_config = FusedSpecNeuronConfig(
+            cls._model_cls, draft_config=draft_config, draft_model_path=str(draft_path)
+        )
+    return cls, inference_config
+
+
+def load_application(model_path: Path, config: EngineConfig, hf_config: Any) -> LoadedApp:
+    cls, inference_config = build_inference_config(model_path, config, hf_config)
+    version = nxd_version()
+    draft = (config.speculative_config or {}).get("model") or ""
+    key = artifact_key(inference_config.to_json_string(), f"nxdi={version}", str(model_path), str(draft))
+    folder, exact = artifact_dir(model_path, key)
+    app = None
+    if exact and (folder / "model.pt").is_file():
+        # A folder the user compiled before: its config wins, as in vllm-neuron (overrides are ignored).
+        inference_config = cls.get_config_cls().load(str(folder))
+        check_supported(inference_config.neuron_config, f"the compiled model in {folder}")
+        if config.override_neuron_config:
+            logger.warning("NxD: loading pre-compiled artifacts from %s; --override-neuron-config is ignored", folder)
+    else:
+        app = _compile_once(cls, model_path, inference_config, folder, exact)
+    compiled_now = app is not None
+
+    nc = inference_config.neuron_config
+    logger.info(
+        "NxD %s: %s, tp=%d, batch=%d, max_context_length=%d, max_length=%d, dtype=%s, on-device sampling %s%s",
+        version, cls.__name__, nc.tp_degree, nc.batch_size, nc.max_context_length, nc.max_length,
+        str(nc.torch_dtype).removeprefix("torch."), "on" if nc.on_device_sampling_config is not None else "off",
+        f", fused speculation k={nc.speculation_length}" if nc.enable_fused_speculation else "",
+    )
+    started = time.monotonic()
+    if app is None:
+        app = cls(str(model_path), inference_config)
+    with _progress("loading and warming up", started):
+        app.load(str(folder))
+    logger.info("NxD: loaded and warmed up from %s in %.1f s", folder, time.monotonic() - started)
+    pad = getattr(inference_config, "pad_token_id", None)
+    settings = NxdSettings.from_neuron_config(app.neuron_config, int(pad) if pad is not None else 0)
+    return LoadedApp(app, settings, folder, compiled_now)
+
+
+def _compile_once(cls: Any, model_path: Path, inference_config: Any, folder: Path, exact: bool) -> Any:
+    """Compile into ``folder`` unless a complete compile is there. Returns the compiled application
+    (to load next), or None when the artifacts were already there."""
+    from filelock import FileLock
+
+    if _is_complete(folder, exact):
+        logger.info("NxD: reusing compiled artifacts in %s", folder)
+        return None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder.parent / f".{folder.name}.lock")):
+        if _is_complete(folder, exact):  # another process compiled it while we waited
+            logger.info("NxD: reusing compiled artifacts in %s", folder)
+            return None
+        started = time.monotonic()
+        logger.info(
+            "NxD: compiling %s into %s; this takes minutes (tens of minutes for large models or many "
+            "buckets) and happens once per configuration",
+            cls.__name__, folder,
+        )
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            app = cls(str(model_path), inference_config)
+            if getattr(inference_config.neuron_config, "quantized", False):
+                cls.save_quantized_state_dict(str(model_path), inference_config)
+            with _progress("compiling", started):
+                app.compile(str(tmp))
+            (tmp / COMPLETE_MARKER).write_text(json.dumps({"created": time.time(), "model": str(model_path)}))
+            if folder.exists():  # a stale or partial folder (or the user's empty $NEURON_COMPILED_ARTIFACTS)
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.info("NxD: compiled in %.1f s", time.monotonic() - started)
+    return app
+
+
+def _is_complete(folder: Path, exact: bool) -> bool:
+    if not (folder / "model.pt").is_file():
+        return False
+    return exact or (folder / COMPLETE_MARKER).is_file()
+
+
+@contextmanager
+def _progress(what: str, started: float) -> Iterator[None]:
+    """Log a line every minute while a long, silent NxD call runs, so a start never looks hung."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(PROGRESS_INTERVAL_S):
+            logger.info("NxD: still %s (%.0f s)", what, time.monotonic() - started)
+
+    thread = threading.Thread(target=beat, name="nxd-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

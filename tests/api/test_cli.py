@@ -1,0 +1,160 @@
+"""The `nxdserve` command line: flags, aliases, subcommands, and a real process drained by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nxdserve import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str) -> cli.argparse.Namespace:
+    return cli.build_parser().parse_args(list(argv))
+
+
+def test_flags_map_to_engine_config() -> None:
+    args = parse(
+        "--model", "/m", "--served-model-name", "a", "b", "--max-model-len", "1k", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "256", "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "64",
+        "--max-num-partial-prefills", "2", "--max-consecutive-prefill-steps", "3", "--max-waiting", "10",
+        "--backend", "torch", "--dtype", "bfloat16", "--device", "cpu", "--num-threads", "2", "--seed", "7",
+        "--max-logprobs", "5", "--generation-config", "vllm", "--tensor-parallel-size", "2",
+        "--override-neuron-config", '{"a": 1}',
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
+    )  # fmt: skip
+    cfg = cli.engine_config_from_args(args)
+    assert cfg.model == "/m" and cfg.served_model_name == ["a", "b"]
+    assert cfg.max_model_len == 1000 and cfg.max_num_seqs == 4 and cfg.max_num_batched_tokens == 256
+    assert cfg.enable_chunked_prefill is False and cfg.scheduling_mode == "prefill-first"
+    assert (cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills) == (64, 2)
+    assert (cfg.max_consecutive_prefill_steps, cfg.max_waiting) == (3, 10)
+    assert (cfg.backend, cfg.dtype, cfg.device, cfg.num_threads, cfg.seed) == ("torch", "bfloat16", "cpu", 2, 7)
+    assert (cfg.max_logprobs, cfg.generation_config, cfg.tensor_parallel_size) == (5, "vllm", 2)
+    assert cfg.override_neuron_config == {"a": 1}
+    assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
+def test_defaults_match_vllm_serve() -> None:
+    args = parse()
+    cfg = cli.engine_config_from_args(args)
+    assert cfg.model is None and cfg.enable_chunked_prefill and cfg.max_logprobs == 20
+    opts = cli.serve_options_from_args(args)
+    assert (opts.port, opts.api_key, opts.log_requests) == (8000, None, True)
+
+
+def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+    assert cli.serve_options_from_args(parse()).api_key == "from-env"
+    assert cli.serve_options_from_args(parse("--api-key", "flag")).api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        '{"method": "ngram"}',
+        '{"method": "medusa", "num_speculative_tokens": 2}',
+        '{"method": "eagle", "num_speculative_tokens": 2}',
+        '{"num_speculative_tokens": 0}',
+        "[1, 2]",
+        "{not json",
+    ],
+)
+def test_bad_speculative_config_fails_at_startup(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--speculative-config", spec])
+    assert info.value.code == 2
+    assert "speculative-config" in capsys.readouterr().err
+
+
+def test_help_is_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--served-model-name", "--no-enable-chunked-prefill", "--speculative-config", "--api-key"):
+        assert flag in out
+    assert "nxdserve bench" in out
+
+
+def test_subcommands_dispatch_lazily(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("fake_bench")
+    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setitem(cli.SUBCOMMANDS, "bench", ("fake_bench", "main"))
+    assert cli.main(["bench", "--num-prompts", "3"]) == 0
+    assert seen == [["--num-prompts", "3"]]
+    monkeypatch.setitem(cli.SUBCOMMANDS, "train-eagle", ("nxdserve.no_such_module", "main"))
+    assert cli.main(["train-eagle", "--x"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_serve_alias_accepts_a_positional_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured: dict[str, object] = {}
+
+    async def fake_serve(config: object, opts: object) -> int:
+        captured.update(config=config, opts=opts)
+        return 0
+
+    monkeypatch.setattr("nxdserve.api.server.serve", fake_serve)
+    assert cli.main(["serve", "/models/x", "--port", "9001"]) == 0
+    assert captured["config"].model == "/models/x"  # type: ignore[attr-defined]
+    assert captured["opts"].port == 9001  # type: ignore[attr-defined]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_process_serves_then_drains_on_sigterm() -> None:
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "nxdserve.cli", "--host", "127.0.0.1", "--port", str(port), "--backend", "torch",
+        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--drain-timeout", "60",
+        "--served-model-name", "smol",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "server exited:\n" + "".join(lines)
+            lines.append(line)
+            if line.startswith("nxdserve ready:"):
+                break
+        assert f"http://127.0.0.1:{port}/v1" in lines[-1]
+        log = "".join(lines)
+        assert "effective configuration" in log and "backend=torch" in log
+        body = {"model": "smol", "prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            raw = ""
+            for piece in r.iter_text():
+                if not raw:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream: the request must still complete
+                raw += piece
+        frames = [f[len("data: ") :] for f in raw.split("\n\n") if f]
+        assert frames[-1] == "[DONE]"
+        assert json.loads(frames[-2])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
