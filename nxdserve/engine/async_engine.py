@@ -249,12 +249,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Idempotent; unknown ids are ignored. The slot is freed before the next step."""
         stream = self._streams.pop(request_id, None)
-        if stream is None:
+        if stream is None or self.core is None:
             return
-        stream.finished = True
-        if self.core is not None:
-            self._pending_aborts.append(request_id)
-            self._wakeup.set()
+        # A consumer still waiting on the stream (e.g. during shutdown) gets a final "abort" output.
+        out = self.core.outputs.finish_without_output(request_id, "abort")
+        if out is not None:
+            self.core.record_outputs([out])
+            stream.put(out)
+        self._pending_aborts.append(request_id)
+        self._wakeup.set()
 
     # -- the loop ----------------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -110,6 +110,7 @@ class EngineCore:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
         params.validate(self.vocab_size, self.config.max_logprobs)
+        self.backend.validate_request(params)
         if not prompt_token_ids:
             raise InvalidRequestError(
                 "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
@@ -123,9 +124,10 @@ class EngineCore:
         num_prompt = len(prompt_token_ids)
         if num_prompt > self.max_prompt_len:
             raise RequestTooLongError(
-                f"The prompt (length {num_prompt}) is longer than the maximum prompt length of "
-                f"{self.max_prompt_len} (max_model_len={self.max_model_len} leaves room for at least one "
-                "output token).",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains {num_prompt} input tokens, and the longest prompt this deployment accepts is "
+                f"{self.max_prompt_len} tokens (room must remain for at least one output token). Please reduce "
+                "the length of the input prompt.",
                 param="prompt",
             )
         if params.max_tokens is None:
@@ -152,7 +154,11 @@ class EngineCore:
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Free the requests' slots. Only call between steps (the backend reads the batch arrays)."""
-        self.num_finished_total += len(self.scheduler.finish_requests(request_ids, status))
+        finished = self.scheduler.finish_requests(request_ids, status)
+        self.num_finished_total += len(finished)
+        if finished and self.metrics is not None:  # keep gauges true when the engine goes idle after aborts
+            self.metrics.record_step(len(self.scheduler.running), len(self.scheduler.waiting),
+                                     self.kv_cache_usage, 0, 0, 0)
 
     @property
     def has_unfinished(self) -> bool:
@@ -177,7 +183,7 @@ class EngineCore:
             self.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         num_generated = sum(len(u.new_token_ids) for u in updates)
         self.num_finished_total += sum(1 for u in updates if u.finished)
-        self._record_spec(updates)
+        self._record_spec(updates, result)
         tm = self.timings
         tm.steps += 1
         tm.tokens += sched.plan.total_tokens
@@ -192,7 +198,7 @@ class EngineCore:
                 len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache_usage,
                 sched.num_prefill_tokens, num_generated, sched.plan.total_tokens,
             )
-        self._record_outputs(outputs)
+        self.record_outputs(outputs)
         return outputs
 
     def propose(self, sched: SchedulerOutput, result: StepResult) -> None:
@@ -203,18 +209,23 @@ class EngineCore:
         self.proposer.propose(self.scheduler.running, self.batch, sched, result)
         self.timings.propose += time.perf_counter() - t0
 
-    def _record_spec(self, updates: list[Any]) -> None:
+    def _record_spec(self, updates: list[Any], result: StepResult) -> None:
         if self.metrics is None:
             return
-        spec = [u for u in updates if u.num_drafts > 0]
-        if not spec:
+        fused = result.aux.get("fused_accepted_drafts")  # the NxD backend verifies drafts on device
+        if fused is not None:
+            accepted = [int(a) for a in fused if a >= 0]
+            width = int(result.aux.get("fused_num_drafts", 0))
+            drafts = [(width, a) for a in accepted]
+        else:
+            drafts = [(u.num_drafts, u.num_accepted_drafts) for u in updates if u.num_drafts > 0]
+        if not drafts:
             return
-        width = max(u.num_drafts for u in spec)
-        per_pos = [0] * width
-        for u in spec:
-            for pos in range(u.num_accepted_drafts):
+        per_pos = [0] * max(n for n, _ in drafts)
+        for _, accepted_count in drafts:
+            for pos in range(accepted_count):
                 per_pos[pos] += 1
-        self.metrics.record_spec(len(spec), sum(u.num_drafts for u in spec), per_pos)
+        self.metrics.record_spec(len(drafts), sum(n for n, _ in drafts), per_pos)
 
     def fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
         """The backend raised: finish the step's requests with an error, keep serving the rest."""
@@ -230,10 +241,10 @@ class EngineCore:
             out = self.outputs.finish_without_output(request_id, "error", message)
             if out is not None:
                 outputs.append(out)
-        self._record_outputs(outputs)
+        self.record_outputs(outputs)
         return outputs
 
-    def _record_outputs(self, outputs: list[RequestOutput]) -> None:
+    def record_outputs(self, outputs: list[RequestOutput]) -> None:
         if self.metrics is not None:
             now = time.monotonic()
             for out in outputs:
@@ -247,7 +258,7 @@ class EngineCore:
             if out is not None:
                 outputs.append(out)
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        self._record_outputs(outputs)
+        self.record_outputs(outputs)
         return outputs
 
     def step(self) -> list[RequestOutput]:

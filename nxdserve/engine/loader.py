@@ -70,14 +70,12 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
     files = load_model_files(config)
     config.resolve(max_positions(files.hf_config))
     backend = create_backend(config, files.path)
-    if files.generation_eos_ids:
-        extra = set(files.generation_eos_ids)
-    else:
-        extra = set()
-    name = config.served_model_name[0] if config.served_model_name else (config.model or "SmolLM2-135M-Instruct")
+    extra = set(files.generation_eos_ids)
+    name = config.served_model_name[0] if config.served_model_name else (config.model or files.path.name)
     metrics = EngineMetrics(name) if with_metrics else None
     proposer = None
-    if config.speculative_config:
+    method = (config.speculative_config or {}).get("method")
+    if config.speculative_config and method not in backend.capabilities.fused_spec_methods:
         from nxdserve.engine.speculative import create_proposer
 
         proposer = create_proposer(config, backend, files)

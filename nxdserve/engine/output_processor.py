@@ -33,7 +33,9 @@ class RequestState:
     final_text_len: int | None = None  # set when a stop string cuts the text
 
 
-def _logprob_entries(block: LogprobsBlock, index: tuple[int, ...], num_top: int, texts: TokenTextCache) -> dict[int, Logprob]:
+def _logprob_entries(
+    block: LogprobsBlock, index: tuple[int, ...], num_top: int, texts: TokenTextCache
+) -> dict[int, Logprob]:
     ids = block.token_ids[index]
     lps = block.logprobs[index]
     chosen = int(ids[0])
@@ -162,7 +164,9 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,  # type: ignore[arg-type]
         )
 
-    def finish_without_output(self, request_id: str, finish_reason: str, error: str | None = None) -> RequestOutput | None:
+    def finish_without_output(
+        self, request_id: str, finish_reason: str, error: str | None = None
+    ) -> RequestOutput | None:
         """Final output for a request ended outside the normal flow (abort, engine error)."""
         state = self.states.get(request_id)
         if state is None:

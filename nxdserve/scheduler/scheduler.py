@@ -67,10 +67,13 @@ class Scheduler:
         self.max_num_seqs = min(config.max_num_seqs, caps.max_num_seqs)
         self.token_budget = config.max_num_batched_tokens
         self.chunked = config.enable_chunked_prefill and caps.chunked_prefill and caps.mixed_prefill_decode
+        if not self.chunked and self.token_budget < self.max_model_len:
+            # Prefill-first never splits a prompt, so any prompt must fit one step's budget.
+            self.token_budget = self.max_model_len
         if config.enable_chunked_prefill and not self.chunked:
             logger.warning(
                 "chunked prefill requested but the backend cannot split prompts or mix prefill and decode "
-                "rows in one forward: scheduling prefill-first"
+                "rows in one forward: scheduling prefill-first (token budget %d)", self.token_budget
             )
         self.long_prefill_threshold = config.long_prefill_token_threshold
         self.max_partial_prefills = config.max_num_partial_prefills

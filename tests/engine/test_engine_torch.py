@@ -36,7 +36,8 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions() -> None:
 
     alone = run_to_completion(core, [prompts[0]], seeded(1234))[0].outputs[0].token_ids
     others = [SamplingParams(temperature=1.0, max_tokens=12 + i, ignore_eos=True) for i in range(7)]
-    mixed = run_to_completion(core, prompts[1:4] + [prompts[0]] + prompts[4:8], others[:3] + [seeded(1234)] + others[3:])
+    batch = [*prompts[1:4], prompts[0], *prompts[4:8]]
+    mixed = run_to_completion(core, batch, [*others[:3], seeded(1234), *others[3:]])
     assert mixed[3].outputs[0].token_ids == alone
     other_seed = run_to_completion(core, [prompts[0]], seeded(4321))[0].outputs[0].token_ids
     assert other_seed != alone

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def validate_request(self, params: SamplingParams) -> None:  # noqa: B027 - optional hook
+        """Raise InvalidRequestError for parameters this backend cannot honour (checked at admission)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release device resources."""
