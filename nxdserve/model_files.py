@@ -136,10 +136,12 @@ def _converted_gguf(gguf_path: Path, name: str, progress: bool) -> Path:
     if _is_complete(target):  # fast path: no transformers/gguf import
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     lock = FileLock(str(target.parent / f".{name}.lock"))
-    if not lock.acquire(blocking=False):
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
         logger.info("Another process is converting %s; waiting for it.", name)
         lock.acquire()
     try:
@@ -171,20 +173,36 @@ def _transformers_progress(enabled: bool) -> Iterator[None]:
 
 
 def _convert_gguf(gguf_path: Path, target: Path, progress: bool) -> None:
-    """Dequantize ``gguf_path`` into an HF folder at ``target``, atomically (temp dir + rename)."""
+    """Dequantize ``gguf_path`` into an HF folder at ``target``, atomically: everything is written and
+    verified in a temp folder beside it, then renamed, so a crash never leaves a half-written model."""
+    logger.info("Converting %s into %s (once; later starts reuse it).", gguf_path, target)
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_hf_folder(gguf_path, tmp, progress)
+        _verify_converted(tmp)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(_marker_info(gguf_path), indent=2))
+        _make_readable(tmp)
+        if target.exists():  # a stale or incomplete folder from an interrupted older run
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("Converted %s in %.1f s.", target.name, time.monotonic() - started)
+
+
+def _write_hf_folder(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+    """The transformers part of the conversion: weights, tokenizer and generation config."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("Converting %s into %s (once; later starts reuse it).", gguf_path, target)
-    started = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    steps = tqdm(total=4, desc=f"Preparing {target.name}", unit="step", disable=not progress)
-    try:
+    with tqdm(total=3, desc=f"Preparing {out_dir.name}", unit="step", disable=not progress) as steps:
         with _transformers_progress(progress):
             steps.set_postfix_str("dequantizing weights")
             # float32: the dequantized Q4_1/Q8_0 values are not exactly representable in bf16 (measured:
-            # 211 of 272 tensors would change), and the torch backend casts to its own dtype at load.
+            # 211 of 272 tensors would change); the torch backend casts to its own dtype at load.
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
             )
@@ -194,9 +212,9 @@ def _convert_gguf(gguf_path: Path, target: Path, progress: bool) -> None:
                 str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
             )
             steps.update()
-        tokenizer.model_max_length = int(model.config.max_position_embeddings)
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"The tokenizer in {gguf_path} has no chat template.")
+        tokenizer.model_max_length = int(model.config.max_position_embeddings)
         # The weights are plain float tensors now; the saved config must not claim GGUF quantization,
         # or loaders would look for a .gguf file in the converted folder.
         if getattr(model, "hf_quantizer", None) is not None:
@@ -204,26 +222,11 @@ def _convert_gguf(gguf_path: Path, target: Path, progress: bool) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         steps.set_postfix_str("saving")
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        if not (tmp / "generation_config.json").is_file():
-            model.generation_config.save_pretrained(str(tmp))
-        del model
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+        tokenizer.save_pretrained(str(out_dir))
+        if not (out_dir / "generation_config.json").is_file():
+            model.generation_config.save_pretrained(str(out_dir))
         steps.update()
-        steps.set_postfix_str("verifying")
-        _verify_converted(tmp)
-        steps.update()
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(_marker_info(gguf_path), indent=2))
-        _make_readable(tmp)
-        if target.exists():  # a stale or incomplete folder from an interrupted older run
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        steps.close()
-    logger.info("Converted %s in %.1f s.", target.name, time.monotonic() - started)
 
 
 def _make_readable(folder: Path) -> None:

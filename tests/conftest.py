@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see nxdserve/__init__.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdserve.errors import ConfigError
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache, slot_attention
 from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
 from nxdserve.engine.models.spec import ModelSpec
+from nxdserve.errors import ConfigError
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -117,8 +117,8 @@ class LlamaFamilyModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, w, dtype, device) for w in spec.sliding_windows)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         # Tied embeddings share one tensor; untied heads get their own.
-        self.lm_head_weight = self.embed_weight if spec.tie_word_embeddings else _param(
-            spec.vocab_size, spec.hidden_size, **kw
+        self.lm_head_weight = (
+            self.embed_weight if spec.tie_word_embeddings else _param(spec.vocab_size, spec.hidden_size, **kw)
         )
         inv_freq, scaling = rope_inv_freq(hf_config, spec.head_dim, spec.rope_type)
         self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
@@ -195,7 +195,9 @@ class LlamaFamilyModel(nn.Module):
 
     def _copy(self, param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
         if tuple(param.shape) != tuple(tensor.shape):
-            raise ConfigError(f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}.")
+            raise ConfigError(
+                f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}."
+            )
         param.copy_(tensor.to(dtype=param.dtype))
 
     def _target(self, name: str) -> nn.Parameter | tuple[str, list[str], nn.Parameter] | None:

@@ -56,6 +56,7 @@ class SlotModelRunner:
             windows=self.model.windows,
             max_len=self.max_len,
             device=self.device,
+            dtype=self.model.dtype,
             batched_query_limit=batched_query_limit or self.batched_query_limit,
         )
 

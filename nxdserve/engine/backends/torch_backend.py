@@ -1,0 +1,329 @@
+"""The torch reference backend: our Llama-family model over a slot KV cache, sampling on device.
+
+One ``execute`` = one forward over every scheduled row (decodes, verifications and prefill chunks
+mixed), logits only where they are needed, then the shared ``Sampler``:
+- rows that sample: the last ``1 + num_drafts`` positions (a plain decode: its one position);
+- rows whose request asked for prompt logprobs: every chunk position that predicts a prompt token.
+Inputs come from the persistent batch with vectorised numpy; there is no per-row Python work on the
+decode path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from nxdserve.config import EngineConfig
+from nxdserve.engine.backends.base import (
+    Backend,
+    BackendCapabilities,
+    LogprobsBlock,
+    StepPlan,
+    StepResult,
+)
+from nxdserve.engine.models import SlotModelRunner, resolve_device, resolve_dtype
+from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT
+from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Prompt-logprob positions per lm_head call: bounds the (positions, vocab) float32 logits buffer.
+PROMPT_LOGPROBS_BLOCK = 256
+
+
+class SamplerLike(Protocol):
+    """What the backend needs from ``nxdserve.engine.sampling.sampler.Sampler``."""
+
+    def sample(self, logits: torch.Tensor, slots: np.ndarray, batch: PersistentBatch) -> Any: ...
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: torch.Tensor,
+        num_drafts: torch.Tensor,
+        slots: np.ndarray,
+        batch: PersistentBatch,
+        draft_probs: torch.Tensor | None,
+    ) -> Any: ...
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, model_path: Path, config: EngineConfig, sampler: SamplerLike | None = None) -> None:
+        if config.max_model_len is None:
+            raise ConfigError("TorchBackend needs a resolved EngineConfig (max_model_len is unset).")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        started = time.perf_counter()
+        self.runner = SlotModelRunner.from_pretrained(
+            model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device
+        )
+        self.model = self.runner.model
+        logger.info(
+            "torch backend: %s on %s in %s, %d slots x %d positions (KV cache %.0f MiB), loaded in %.1f s",
+            self.model.spec.model_type,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            config.max_num_seqs,
+            config.max_model_len,
+            self.runner.kv_cache.nbytes / 2**20,
+            time.perf_counter() - started,
+        )
+        if sampler is None:
+            from nxdserve.engine.sampling.sampler import Sampler
+
+            sampler = Sampler(self.model.vocab_size, self.device, seed=config.seed)
+        self.sampler = sampler
+        # Set by proposers that need the target's final hidden states (EAGLE).
+        self.keep_hidden_states = False
+        self._capabilities = BackendCapabilities(
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            max_prompt_len=config.max_model_len - 1,
+            vocab_size=self.model.vocab_size,
+            mixed_prefill_decode=True,
+            chunked_prefill=True,
+            supports_draft_verification=True,
+            eos_token_ids=_eos_token_ids(model_path),
+        )
+        self._batch: PersistentBatch | None = None
+        self._warm_up()
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return self._capabilities
+
+    def bind(self, batch: PersistentBatch) -> None:
+        if batch.max_num_seqs > self.runner.num_slots or batch.max_model_len > self.runner.max_len:
+            raise ConfigError(
+                f"persistent batch ({batch.max_num_seqs} slots x {batch.max_model_len}) is larger than the "
+                f"backend's KV cache ({self.runner.num_slots} x {self.runner.max_len})"
+            )
+        self._batch = batch
+
+    def shutdown(self) -> None:
+        self._batch = None
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        batch = self._batch
+        if batch is None:
+            raise RuntimeError("TorchBackend.execute called before bind()")
+        t0 = time.perf_counter()
+        rows = _Rows.from_plan(plan)
+        if rows.num_rows == 0:
+            return StepResult(np.full((0, 1), -1, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        token_row = np.repeat(np.arange(rows.num_rows), rows.lens)
+        positions = rows.starts[token_row] + np.arange(rows.offsets[-1]) - rows.offsets[token_row]
+        token_ids = torch.from_numpy(batch.token_ids[rows.slots[token_row], positions])
+
+        t1 = time.perf_counter()
+        limit = max(DEFAULT_BATCHED_QUERY_LIMIT, rows.width)  # verification rows share the batched SDPA
+        hidden = self.runner.run(token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit)
+        verify_index, verify_valid = rows.verification_positions()
+        sampled_hidden = hidden[torch.from_numpy(verify_index[verify_valid]).to(self.device)]
+        logits = self.runner.logits(sampled_hidden) if rows.sampled.size else None
+        prompt_logprobs = self._prompt_logprobs(batch, hidden, rows)
+
+        t2 = time.perf_counter()
+        out_tokens = np.full((rows.num_rows, rows.width), -1, dtype=np.int64)
+        num_sampled = np.zeros(rows.num_rows, dtype=np.int64)
+        logprobs: LogprobsBlock | None = None
+        if logits is not None:
+            if rows.width == 1:  # no drafts anywhere: plain sampling
+                out = self.sampler.sample(logits, rows.slots[rows.sampled], batch)
+                out_tokens[rows.sampled, 0] = out.token_ids.cpu().numpy()
+                num_sampled[rows.sampled] = 1
+                block = _with_width(out.logprobs)
+            else:  # every sampled row verifies; rows without drafts verify as plain decodes
+                out = self._verify(batch, rows, logits, verify_valid, plan.draft_probs)
+                out_tokens[rows.sampled] = out.token_ids.cpu().numpy()
+                num_sampled[rows.sampled] = out.num_tokens.cpu().numpy()
+                block = out.logprobs
+            logprobs = _scatter_rows(block, rows.sampled, rows.num_rows, rows.width)
+        t3 = time.perf_counter()
+
+        result = StepResult(
+            sampled_token_ids=out_tokens,
+            num_sampled=num_sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs or None,
+            timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2},
+        )
+        if self.keep_hidden_states:
+            size = hidden.shape[-1]
+            padded = hidden.new_zeros(rows.sampled.size, rows.width, size)
+            padded[torch.from_numpy(verify_valid).to(self.device)] = sampled_hidden
+            states = hidden.new_zeros(rows.num_rows, rows.width, size)
+            states[torch.from_numpy(rows.sampled).to(self.device)] = padded
+            result.aux["hidden_states"] = states
+            # Every scheduled token's state, rows concatenated (row r at token_offsets[r]:[r + 1]):
+            # what an EAGLE drafter needs to extend its own cache over prefill chunks.
+            result.aux["token_hidden_states"] = hidden
+            result.aux["token_offsets"] = rows.offsets
+        return result
+
+    def _verify(
+        self,
+        batch: PersistentBatch,
+        rows: _Rows,
+        flat_logits: torch.Tensor,
+        verify_valid: np.ndarray,
+        plan_draft_probs: Any,
+    ) -> Any:
+        device = flat_logits.device
+        width = rows.width
+        logits = flat_logits.new_zeros(rows.sampled.size, width, flat_logits.shape[-1])
+        logits[torch.from_numpy(verify_valid).to(device)] = flat_logits
+        # Drafts are each row's last num_drafts tokens; read them back from the batch, -1 padded.
+        slots = rows.slots[rows.sampled]
+        num_drafts = rows.drafts[rows.sampled]
+        first_draft = rows.starts[rows.sampled] + rows.lens[rows.sampled] - num_drafts
+        col = np.arange(width - 1)[None, :]
+        draft_pos = first_draft[:, None] + np.minimum(col, np.maximum(num_drafts[:, None] - 1, 0))
+        draft_ids = np.where(col < num_drafts[:, None], batch.token_ids[slots[:, None], draft_pos], -1)
+        draft_probs = None
+        if plan_draft_probs is not None:  # (R, max_drafts, V) over plan rows
+            probs = plan_draft_probs
+            probs = torch.from_numpy(probs) if isinstance(probs, np.ndarray) else probs
+            draft_probs = probs[torch.from_numpy(rows.sampled).to(probs.device), : width - 1].to(device)
+        return self.sampler.verify(
+            logits,
+            torch.from_numpy(draft_ids).to(device),
+            torch.from_numpy(num_drafts).to(device),
+            slots,
+            batch,
+            draft_probs,
+        )
+
+    def _prompt_logprobs(self, batch: PersistentBatch, hidden: torch.Tensor, rows: _Rows) -> dict[int, LogprobsBlock]:
+        """Row -> logprobs of the prompt tokens that this chunk's positions predict (p + 1 < prompt len)."""
+        from nxdserve.engine.sampling.logprobs import compute_logprobs
+
+        slots, starts, lens, offsets = rows.slots, rows.starts, rows.lens, rows.offsets
+        wanted = np.flatnonzero(batch.num_prompt_logprobs[slots] >= 0)
+        out: dict[int, LogprobsBlock] = {}
+        for r in wanted:  # rare (prompt_logprobs requests in prefill), so a loop is fine
+            slot, start = int(slots[r]), int(starts[r])
+            stop = min(start + int(lens[r]), int(batch.num_prompt_tokens[slot]) - 1)
+            if stop <= start:
+                continue
+            num_top = int(batch.num_prompt_logprobs[slot])
+            blocks = []
+            for lo in range(start, stop, PROMPT_LOGPROBS_BLOCK):
+                hi = min(lo + PROMPT_LOGPROBS_BLOCK, stop)
+                h = hidden[offsets[r] + lo - start : offsets[r] + hi - start]
+                targets = torch.from_numpy(batch.token_ids[slot, lo + 1 : hi + 1]).to(self.device)
+                blocks.append(compute_logprobs(self.runner.logits(h), targets, num_top))
+            out[int(r)] = _concat_blocks(blocks)
+        return out
+
+    def _warm_up(self) -> None:
+        # The first oneDNN GEMMs of each shape are slow; run a small prefill and a decode on slot 0 now
+        # so the first request does not pay for it. Slot 0's cache is overwritten by its next prefill.
+        n = min(8, self.runner.max_len - 1)
+        self.runner.run(torch.zeros(n, dtype=torch.long), np.array([0]), np.array([0]), np.array([n]))
+        hidden = self.runner.run(torch.zeros(1, dtype=torch.long), np.array([0]), np.array([n]), np.array([1]))
+        self.runner.logits(hidden)
+
+
+@dataclass
+class _Rows:
+    """A plan's rows as int64 arrays, plus where each row's tokens sit in the flat batch."""
+
+    slots: np.ndarray
+    starts: np.ndarray
+    lens: np.ndarray
+    drafts: np.ndarray
+    sampled: np.ndarray  # indices of rows that sample
+    offsets: np.ndarray  # (R + 1,) row r's tokens are flat positions offsets[r]:offsets[r + 1]
+    width: int  # W = 1 + the most drafts of any row
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan) -> _Rows:
+        lens = np.asarray(plan.num_scheduled, dtype=np.int64)
+        drafts = np.asarray(plan.num_drafts, dtype=np.int64)
+        sampled = np.flatnonzero(np.asarray(plan.sample, dtype=bool))
+        offsets = np.zeros(lens.size + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        return cls(
+            slots=np.asarray(plan.slots, dtype=np.int64),
+            starts=np.asarray(plan.start_pos, dtype=np.int64),
+            lens=lens,
+            drafts=drafts,
+            sampled=sampled,
+            offsets=offsets,
+            width=1 + int(drafts[sampled].max()) if sampled.size else 1,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.slots.size)
+
+    def verification_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat positions of each sampled row's last 1 + num_drafts tokens, (N, W), and which are real.
+        Pads repeat the row's last real position; they are never read back."""
+        num = 1 + self.drafts[self.sampled]
+        col = np.arange(self.width)[None, :]
+        index = self.offsets[self.sampled + 1, None] - num[:, None] + np.minimum(col, num[:, None] - 1)
+        return index, col < num[:, None]
+
+
+def _eos_token_ids(model_path: Path) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = Path(model_path) / name
+        if not file.is_file():
+            continue
+        value = json.loads(file.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def _with_width(block: LogprobsBlock | None) -> LogprobsBlock | None:
+    """A sample() block (N, 1+n) as (N, 1, 1+n), the verify layout."""
+    if block is None:
+        return None
+    return LogprobsBlock(block.token_ids[:, None], block.logprobs[:, None], block.ranks[:, None])
+
+
+def _scatter_rows(block: LogprobsBlock | None, rows: np.ndarray, num_rows: int, width: int) -> LogprobsBlock | None:
+    """Place the sampled rows' (N, W, 1+n) block into a (R, W, 1+n) one; other rows get padding
+    (id -1, logprob -inf, rank 0, as ``compute_logprobs`` pads)."""
+    if block is None:
+        return None
+    k = block.token_ids.shape[-1]
+    token_ids = np.full((num_rows, width, k), -1, dtype=np.int64)
+    logprobs = np.full((num_rows, width, k), -np.inf, dtype=np.float32)
+    ranks = np.zeros((num_rows, width), dtype=np.int64)
+    token_ids[rows] = block.token_ids
+    logprobs[rows] = block.logprobs
+    ranks[rows] = block.ranks
+    return LogprobsBlock(token_ids, logprobs, ranks)
+
+
+def _concat_blocks(blocks: list[LogprobsBlock]) -> LogprobsBlock:
+    if len(blocks) == 1:
+        return blocks[0]
+    return LogprobsBlock(
+        np.concatenate([b.token_ids for b in blocks]),
+        np.concatenate([b.logprobs for b in blocks]),
+        np.concatenate([b.ranks for b in blocks]),
+    )
