@@ -7,7 +7,6 @@ import os
 # 10-25x slower on small machines. Passive waiting costs little when the machine is idle.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# ruff: noqa: E402
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.async_engine import AsyncEngine, RequestStream
