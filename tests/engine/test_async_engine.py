@@ -129,10 +129,15 @@ async def test_backend_failure_finishes_requests_with_error_then_engine_dies() -
 
 
 async def test_shutdown_leaves_no_threads() -> None:
+    def model_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("nxdserve-model")}
+
+    before = model_threads()  # other tests' servers may still be running theirs
     eng = AsyncEngine(EngineConfig(dtype="float32", backend="torch", max_model_len=128, max_num_seqs=2))
     await eng.start()
+    assert model_threads() - before
     stream = eng.add_request("Tell me a story", _greedy(100))
     await stream.__anext__()
     await eng.shutdown(drain_timeout=0.1)
-    assert not [t for t in threading.enumerate() if t.name.startswith("nxdserve-model")]
+    assert not model_threads() - before
     assert not eng.is_healthy
