@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from nxdserve.engine.models.attention import AttentionMetadata
 from nxdserve.engine.speculative.eagle_head import EagleHead, head_config_from_target, load_eagle_head, save_eagle_head
-from nxdserve.speculative.distill import Batch, distill_loss, unrolled_forward
 from nxdserve.speculative.corpus import Sequence
+from nxdserve.speculative.distill import Batch, distill_loss, unrolled_forward
 
 VOCAB, HIDDEN, MAX_LEN = 97, 64, 64
 TARGET_CONFIG = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from nxdserve.engine.backends.base import (
 )
 from nxdserve.engine.models import SlotModelRunner, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT
+from nxdserve.engine.models.cpu_threads import ThreadGovernor
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.errors import ConfigError
 
@@ -65,6 +67,12 @@ class TorchBackend(Backend):
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = resolve_device(config.device)
+        # On CPU, each step runs on all intra-op threads or on one, whichever the machine's load favours
+        # (see cpu_threads.py). NXDSERVE_THREAD_GOVERNOR=0: always all.
+        threads = torch.get_num_threads()
+        governed = self.device.type == "cpu" and os.environ.get("NXDSERVE_THREAD_GOVERNOR", "1") != "0"
+        self.thread_governor = ThreadGovernor(threads if governed else 1)
+        self._max_threads = threads
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
         self.runner = SlotModelRunner.from_pretrained(
@@ -132,6 +140,11 @@ class TorchBackend(Backend):
         token_ids = torch.from_numpy(batch.token_ids[rows.slots[token_row], positions])
 
         t1 = time.perf_counter()
+        governor = self.thread_governor
+        threads = governor.step_threads() if governor.active else self._max_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        cpu0 = time.thread_time()
         limit = max(DEFAULT_BATCHED_QUERY_LIMIT, rows.width)  # verification rows share the batched SDPA
         hidden = self.runner.run(token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit)
         verify_index, verify_valid = rows.verification_positions()
@@ -140,6 +153,8 @@ class TorchBackend(Backend):
         prompt_logprobs = self._prompt_logprobs(batch, hidden, rows)
 
         t2 = time.perf_counter()
+        if governor.active:
+            governor.record(t2 - t1, time.thread_time() - cpu0)
         out_tokens = np.full((rows.num_rows, rows.width), -1, dtype=np.int64)
         num_sampled = np.zeros(rows.num_rows, dtype=np.int64)
         logprobs: LogprobsBlock | None = None

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nxdserve.engine.models import cpu_kernels
+
 DEFAULT_BATCHED_QUERY_LIMIT = 8
 
 
@@ -70,7 +72,22 @@ class _BatchedRows:
     # Which padded (row, query) pairs are real, and which flat token each one is.
     valid_index: torch.Tensor | None  # None: all pairs are real
     token_index: torch.Tensor | None  # None together with query_index
+    query_pos: torch.Tensor  # (B, Q) position of each padded query
+    num_query_groups: int
+    dtype: torch.dtype | None
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> (B, 1, G*Q, ctx), additive or bool
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """The SDPA mask for ``window``, built on first use (the CPU kernel needs none)."""
+        m = self.masks.get(window)
+        if m is None:
+            allowed = _allowed(self.query_pos, self.ctx_len, self.query_pos.device)  # (B, Q, ctx)
+            m = _restrict(allowed, self.query_pos, window).unsqueeze(1)  # (B, 1, Q, ctx)
+            if self.num_queries > 1:  # folded layout (B, 1, G*Q, ctx): group-major, then query
+                m = m.unsqueeze(2).expand(-1, -1, self.num_query_groups, -1, -1)
+                m = m.reshape(self.num_rows, 1, -1, self.ctx_len)
+            m = self.masks[window] = _additive(m, self.dtype)  # one query: (B, 1, 1, ctx) broadcasts over G
+        return m
 
 
 @dataclass
@@ -93,6 +110,13 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # (T,) slot of each token (where its K/V go)
     batched: _BatchedRows | None
     chunks: list[_Chunk]
+    # CPU kernel (cpu_kernels.slot_attention): it writes every token's K/V and attends the batched rows'
+    # tokens in place (``kernel_select``, None when they are the first ``kernel_count``); chunks use SDPA.
+    use_kernel: bool = False
+    kernel_select: torch.Tensor | None = None
+    kernel_count: int = 0
+    max_slot: int = 0  # bounds the kernel checks against the cache it is given
+    max_end: int = 0
 
     @classmethod
     def build(
@@ -107,9 +131,13 @@ class AttentionMetadata:
         device: torch.device,
         dtype: torch.dtype | None = None,
         batched_query_limit: int = DEFAULT_BATCHED_QUERY_LIMIT,
+        attention_kernel: bool | None = None,
     ) -> AttentionMetadata:
         """Rows as in the module docstring. With ``dtype`` (the model's), masks are built additive in it
-        once here; without, they stay boolean and SDPA converts them in every layer."""
+        once here; without, they stay boolean and SDPA converts them in every layer.
+
+        ``attention_kernel``: run the batched rows through the CPU kernel (``cpu_kernels``); None picks
+        it on CPU when it is available and ``dtype`` is one it runs (bf16, fp32 or unknown)."""
         slots = np.asarray(row_slots, dtype=np.int64)
         starts = np.asarray(row_starts, dtype=np.int64)
         lens = np.asarray(row_lens, dtype=np.int64)
@@ -129,6 +157,10 @@ class AttentionMetadata:
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
+        if attention_kernel is None:
+            attention_kernel = (
+                device.type == "cpu" and dtype in (None, torch.bfloat16, torch.float32) and cpu_kernels.available()
+            )
         is_batched = lens <= batched_query_limit
         batched = None
         if is_batched.any():
@@ -142,6 +174,7 @@ class AttentionMetadata:
                 windows=windows,
                 dtype=dtype,
                 to_dev=to_dev,
+                lazy_masks=bool(attention_kernel),
             )
         chunks = []
         for r in np.flatnonzero(~is_batched):
@@ -151,7 +184,24 @@ class AttentionMetadata:
             # Folded layout (G*n, ctx): group-major, then query.
             masks = {w: _additive(_restrict(allowed, query_pos, w).repeat(num_query_groups, 1), dtype) for w in windows}
             chunks.append(_Chunk(int(slots[r]), int(offsets[r]), n, start + n, masks))
-        return cls(num_tokens, to_dev(positions), to_dev(slots[token_row]), batched, chunks)
+        kernel_select, kernel_count = None, 0
+        if attention_kernel:
+            batched_tokens = np.flatnonzero(is_batched[token_row])
+            kernel_count = int(batched_tokens.size)
+            if kernel_count and batched_tokens[-1] != kernel_count - 1:  # not simply the first tokens
+                kernel_select = to_dev(batched_tokens)
+        return cls(
+            num_tokens,
+            to_dev(positions),
+            to_dev(slots[token_row]),
+            batched,
+            chunks,
+            use_kernel=bool(attention_kernel),
+            kernel_select=kernel_select,
+            kernel_count=kernel_count,
+            max_slot=int(slots.max()),
+            max_end=int((starts + lens).max()),
+        )
 
 
 def _allowed(query_pos: torch.Tensor, ctx_len: int, device: torch.device) -> torch.Tensor:
@@ -187,6 +237,7 @@ def _build_batched(
     windows: frozenset[int | None],
     dtype: torch.dtype | None,
     to_dev: Callable[[np.ndarray], torch.Tensor],
+    lazy_masks: bool,
 ) -> _BatchedRows:
     num_rows = int(slots.size)
     num_queries = int(lens.max())
@@ -202,14 +253,7 @@ def _build_batched(
         valid = (np.arange(num_queries)[None, :] < lens[:, None]).reshape(-1)
         valid_index = None if valid.all() else to_dev(np.flatnonzero(valid))
         token_index = to_dev((token_offsets[:, None] + q_offset).reshape(-1)[valid])
-    allowed = _allowed(query_pos, ctx_len, query_pos.device)  # (B, Q, ctx)
-    masks = {}
-    for w in windows:
-        m = _restrict(allowed, query_pos, w).unsqueeze(1)  # (B, 1, Q, ctx)
-        if num_queries > 1:  # folded layout (B, 1, G*Q, ctx): group-major, then query
-            m = m.unsqueeze(2).expand(-1, -1, num_query_groups, -1, -1).reshape(num_rows, 1, -1, ctx_len)
-        masks[w] = _additive(m, dtype)  # with one query the (B, 1, 1, ctx) mask broadcasts over the group
-    return _BatchedRows(
+    rows = _BatchedRows(
         num_rows=num_rows,
         num_queries=num_queries,
         ctx_len=ctx_len,
@@ -218,8 +262,14 @@ def _build_batched(
         query_index=query_index,
         valid_index=valid_index,
         token_index=token_index,
-        masks=masks,
+        query_pos=query_pos,
+        num_query_groups=num_query_groups,
+        dtype=dtype,
     )
+    if not lazy_masks:
+        for w in windows:
+            rows.mask(w)
+    return rows
 
 
 def slot_attention(
@@ -232,12 +282,25 @@ def slot_attention(
     window: int | None,
 ) -> torch.Tensor:
     """Store the new K/V in their slots, then attend. q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq * D)."""
-    k_cache[meta.write_slots, :, meta.positions] = k
-    v_cache[meta.write_slots, :, meta.positions] = v
-
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     groups = num_heads // num_kv_heads
+    if (
+        meta.use_kernel
+        and meta.max_slot < k_cache.shape[0]
+        and meta.max_end <= k_cache.shape[2]
+        and cpu_kernels.supports(q, k_cache)
+    ):
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+        cpu_kernels.slot_attention(
+            q, k, v, k_cache, v_cache, meta.write_slots, meta.positions, meta.kernel_select, meta.kernel_count,
+            window, out,
+        )  # fmt: skip
+        _attend_chunks(q, k_cache, v_cache, meta, window, out)
+        return out
+
+    k_cache[meta.write_slots, :, meta.positions] = k
+    v_cache[meta.write_slots, :, meta.positions] = v
     b = meta.batched
     if b is not None and b.query_index is None:  # plain decode over the whole batch
         return _attend_batched(q, k_cache, v_cache, b, window, num_kv_heads, groups)
@@ -249,6 +312,22 @@ def slot_attention(
         if b.valid_index is not None:
             o = o.index_select(0, b.valid_index)
         out.index_copy_(0, b.token_index, o)
+    _attend_chunks(q, k_cache, v_cache, meta, window, out)
+    return out
+
+
+def _attend_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Each long prefill chunk alone over its own cache line (already written), into ``out``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    groups = num_heads // num_kv_heads
     for c in meta.chunks:
         n = c.num_tokens
         qc = q[c.token_start : c.token_start + n]
@@ -259,7 +338,6 @@ def slot_attention(
         out[c.token_start : c.token_start + n] = (
             o.view(num_kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, -1)
         )
-    return out
 
 
 def _attend_batched(
@@ -284,7 +362,7 @@ def _attend_batched(
     else:
         kc = k_cache[:, :, : b.ctx_len].index_select(0, b.slots)
         vc = v_cache[:, :, : b.ctx_len].index_select(0, b.slots)
-    o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=b.masks[window])
+    o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=b.mask(window))
     return (
         o.view(rows, num_kv_heads, groups, queries, head_dim)
         .permute(0, 3, 1, 2, 4)

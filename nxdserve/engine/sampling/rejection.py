@@ -71,8 +71,11 @@ def residual(
     """
     keep = ~rejected[:, None]
     if draft_probs is None:
-        at_draft = p_target.gather(1, draft_ids[:, None])
-        resid = p_target.scatter(1, draft_ids[:, None], at_draft * keep)
+        # Rows without drafts (bonus rows) carry the -1 pad here; any valid index works for them since
+        # ``keep`` writes their value back unchanged.
+        index = draft_ids.clamp(min=0)[:, None]
+        at_draft = p_target.gather(1, index)
+        resid = p_target.scatter(1, index, at_draft * keep)
     else:
         resid = (p_target - draft_probs.masked_fill(keep, 0.0)).clamp_(min=0.0)
     empty = resid.sum(dim=-1, keepdim=True) <= 0

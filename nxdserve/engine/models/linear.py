@@ -1,0 +1,82 @@
+"""``linear(x, weight, bias)``: ``F.linear`` with the weight prepacked for oneDNN on CPU.
+
+``F.linear`` on a CPU bf16 weight runs oneDNN's brgemm matmul on the plain (out, in) layout, which
+makes oneDNN reorder the weight into its blocked VNNI layout inside every call. For a decode step that
+reorder is most of the work: measured on an AVX512-BF16 EPYC, prepacking once made batch-1 GEMVs
+1.5-3x faster and batch-32 GEMMs 1.0-1.4x (the LM head 1.75x), with bit-identical results.
+
+The packed copy is made lazily, on the first inference call, and stored on the weight tensor itself, so
+modules that share a tensor (a truncated self-draft sharing the target's layers and LM head) share its
+packed copy. It is keyed by the tensor's version counter: an in-place update of the weight (loading,
+training an EAGLE head) makes it stale and it is rebuilt on the next call. Weights that require grad,
+calls that record autograd, non-CPU tensors and dtypes oneDNN does not pack natively fall back to
+``F.linear``. ``NXDSERVE_PACKED_LINEAR=0`` turns packing off (for A/B measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+_ATTR = "_nxdserve_packed"
+_PACKED_DTYPES = (torch.bfloat16,)
+
+enabled = os.environ.get("NXDSERVE_PACKED_LINEAR", "1") != "0"
+
+
+@functools.cache
+def _available() -> bool:
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN-packed copy of ``weight`` (out, in), or None where packing does not apply."""
+    entry = getattr(weight, _ATTR, None)
+    if entry is not None and entry[0] == weight._version:
+        return entry[1]
+    if (
+        not enabled
+        or weight.requires_grad
+        or weight.device.type != "cpu"
+        or weight.dtype not in _PACKED_DTYPES
+        or weight.dim() != 2
+        or not _available()
+    ):
+        return None
+    with torch.inference_mode():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+    setattr(weight, _ATTR, (weight._version, packed))
+    return packed
+
+
+def drop_packed(weight: torch.Tensor) -> None:
+    """Forget ``weight``'s packed copy (frees its memory; it is rebuilt on the next inference call)."""
+    if hasattr(weight, _ATTR):
+        delattr(weight, _ATTR)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; through the packed weight when there is no autograd to record."""
+    if not enabled or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)
+    packed = packed_weight(weight)
+    if packed is None or x.dtype != weight.dtype or x.device.type != "cpu" or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return F.linear(x, weight, bias)
+    if x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    lead = x.shape[:-1]
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return out.view(*lead, out.shape[-1])

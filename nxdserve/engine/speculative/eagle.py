@@ -1,0 +1,162 @@
+"""EAGLE-1 proposer: a one-layer head over the target's own hidden states drafts k tokens greedily.
+
+The head's cache position t holds the pair (token t+1, target feature f_t). The torch backend keeps
+every scheduled token's final hidden state in ``StepResult.aux`` (``keep_hidden_states``), and
+``sync`` extends each slot's head cache over exactly the positions whose target state became final
+this step - a prefill chunk's tokens, or a decode/verification row's input token plus its accepted
+drafts - pairing each with the token that followed it. It runs for every row of every step, whether
+or not that request drafts next, so the head's cache never has holes. Its output at the last of
+those positions, ``h ~ f_{N-1}`` for a request with N tokens, gives draft 1 through the LM head;
+then draft j is fed back as (draft j, h) at position N + j - 2 to give draft j + 1.
+
+Those chained positions (N-1 .. N+k-3, below max_model_len since k <= max_model_len - 1 - N) carry
+the head's own guesses; the next ``sync`` rewrites them from position N - 1 on with the target's
+real states, because the target's next row starts exactly there.
+
+A head trained with a truncated draft vocabulary (``draft_vocab_ids``) scores only those ids: the LM
+head is the largest matmul of a draft step, so this makes drafting several times cheaper on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nxdserve.engine.backends.base import StepResult
+from nxdserve.engine.models import LlamaFamilyModel
+from nxdserve.engine.models.attention import AttentionMetadata
+from nxdserve.engine.models.linear import linear
+from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.speculative.base import DraftRows, SpeculativeProposer
+from nxdserve.engine.speculative.config import SpeculativeConfig
+from nxdserve.engine.speculative.eagle_head import EagleHead
+from nxdserve.errors import ConfigError
+from nxdserve.scheduler.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EagleProposer(SpeculativeProposer):
+    method = "eagle"
+
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        max_model_len: int,
+        num_slots: int,
+        head: EagleHead,
+        target: LlamaFamilyModel,
+    ) -> None:
+        super().__init__(spec, max_model_len)
+        if head.spec.hidden_size != target.spec.hidden_size:
+            raise ConfigError(
+                f"the EAGLE head has hidden_size {head.spec.hidden_size}, the target {target.spec.hidden_size}."
+            )
+        if head.max_len < max_model_len:
+            raise ConfigError(f"the EAGLE head's RoPE table covers {head.max_len} positions < {max_model_len}.")
+        self.head = head
+        self.device = target.device
+        self.embed_weight = target.embed_weight
+        if head.draft_vocab_ids is not None:
+            ids = head.draft_vocab_ids.to(self.device)
+            self.vocab_ids: torch.Tensor | None = ids
+            self.lm_weight = target.lm_head_weight.index_select(0, ids).contiguous()
+        else:
+            self.vocab_ids = None
+            self.lm_weight = target.lm_head_weight
+        self.kv_cache = head.new_kv_cache(num_slots, max_model_len)
+        self.kv_len = np.zeros(num_slots, dtype=np.int64)  # positions with (token, real feature) pairs
+        # The head's output at its last real position, per slot: the predicted feature f_{N-1}.
+        self.last_hidden = torch.zeros(num_slots, head.spec.hidden_size, dtype=head.dtype, device=self.device)
+        self.last_pos = np.full(num_slots, -1, dtype=np.int64)
+        self.owners: list[str | None] = [None] * num_slots
+        self._warned_missing = False
+
+    # -- keeping the head's cache in step with the target --------------------------------------------
+    @torch.inference_mode()
+    def sync(self, batch: PersistentBatch, sched: SchedulerOutput, result: StepResult) -> None:
+        plan = sched.plan
+        new = self.reassigned_slots(self.owners, sched)
+        self.kv_len[new] = 0
+        self.last_pos[new] = -1
+        if plan.num_rows == 0:
+            return
+        hidden = result.aux.get("token_hidden_states")
+        if hidden is None:
+            if not self._warned_missing:
+                logger.warning("EAGLE: the backend returned no hidden states; drafting is off")
+                self._warned_missing = True
+            return
+        offsets = np.asarray(result.aux["token_offsets"], dtype=np.int64)
+        lens = np.asarray(plan.num_scheduled, dtype=np.int64)
+        drafts = np.asarray(plan.num_drafts, dtype=np.int64)
+        sampled = np.asarray(result.num_sampled, dtype=np.int64)
+        # Target states that became final: all of a prefill chunk, else the input token + accepted drafts.
+        n_valid = np.where(np.asarray(plan.sample, dtype=bool), np.where(sampled > 0, lens - drafts + sampled - 1, 0),
+                           lens)
+        alive = np.fromiter((not r.status.is_finished for r in sched.requests), dtype=bool, count=plan.num_rows)
+        rows = np.flatnonzero(alive & (n_valid > 0))
+        if rows.size == 0:
+            return
+        slots = np.asarray(plan.slots, dtype=np.int64)[rows]
+        starts = np.asarray(plan.start_pos, dtype=np.int64)[rows]
+        n = n_valid[rows]
+        token_row = np.repeat(np.arange(rows.size), n)
+        row_offsets = np.zeros(rows.size + 1, dtype=np.int64)
+        np.cumsum(n, out=row_offsets[1:])
+        within = np.arange(row_offsets[-1]) - row_offsets[token_row]
+        positions = starts[token_row] + within
+        next_tokens = torch.from_numpy(batch.token_ids[slots[token_row], positions + 1]).to(self.device)
+        feature_index = torch.from_numpy(offsets[rows][token_row] + within).to(self.device)
+        features = hidden.index_select(0, feature_index).to(self.head.dtype)
+        out = self._run(next_tokens, features, slots, starts, n)
+        last = torch.from_numpy(row_offsets[1:] - 1).to(self.device)
+        self.last_hidden[torch.from_numpy(slots).to(self.device)] = out.index_select(0, last)
+        self.last_pos[slots] = starts + n - 1
+        self.kv_len[slots] = starts + n
+
+    # -- drafting ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, rows: DraftRows, batch: PersistentBatch) -> tuple[np.ndarray, np.ndarray]:
+        slots, n, k = rows.slots, rows.num_tokens, rows.k
+        lengths = np.where(self.last_pos[slots] == n - 2, k, 0)  # the head is caught up to token N-1
+        k_max = int(k.max())
+        drafts = np.full((slots.size, k_max), -1, dtype=np.int64)
+        active = np.flatnonzero(lengths > 0)
+        if active.size == 0:
+            return drafts, lengths
+        h = self.last_hidden.index_select(0, torch.from_numpy(slots[active]).to(self.device))
+        current = self._argmax(h)
+        drafts[active, 0] = current.cpu().numpy()
+        for j in range(1, k_max):
+            keep = k[active] > j
+            if not keep.all():
+                index = torch.from_numpy(np.flatnonzero(keep)).to(self.device)
+                active, current, h = active[keep], current.index_select(0, index), h.index_select(0, index)
+            if active.size == 0:
+                break
+            # (draft j, predicted feature) sits at position N + j - 2 and predicts draft j + 1.
+            h = self._run(current, h, slots[active], n[active] + j - 2, np.ones(active.size, dtype=np.int64))
+            current = self._argmax(h)
+            drafts[active, j] = current.cpu().numpy()
+        return drafts, lengths
+
+    def _run(
+        self, tokens: torch.Tensor, features: torch.Tensor, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray
+    ) -> torch.Tensor:
+        meta = AttentionMetadata.build(
+            slots, starts, lens,
+            num_query_groups=self.head.num_query_groups,
+            windows=self.head.windows,
+            max_len=self.kv_cache.max_len,
+            device=self.device,
+        )
+        embeds = F.embedding(tokens, self.embed_weight).to(self.head.dtype)
+        return self.head(embeds, features, meta, self.kv_cache)
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        best = linear(hidden, self.lm_weight).argmax(dim=-1)
+        return best if self.vocab_ids is None else self.vocab_ids.index_select(0, best)

@@ -1,0 +1,122 @@
+"""When drafting pays: speculation on or off by batch size, decided from measured step costs.
+
+Speculation trades compute for latency. A decode step of B requests with k drafts each runs
+B(k+1) tokens through the target plus the drafting itself, and yields B(1 + accepted) tokens. While
+the target is bound by weight reads and per-step overhead (small B) the extra tokens are nearly
+free; once B is large enough that compute dominates, every rejected draft is wasted work and the
+step gets slower than plain decode.
+
+The rule (used when ``disable_by_batch_size`` is not set): batch sizes are bucketed by powers of two
+(1, 2, 3-4, 5-8, ..., 33-64, ...). For each bucket the policy keeps the generated tokens per second
+of the last ``WINDOW`` decode-only steps with drafting on and with it off, and drafts when the
+median "on" rate is at least the median "off" rate. A step's cost is everything between two
+``observe`` calls (drafting, scheduling, the forward, sampling, output processing), measured on the
+engine's own CPU clock (``time.process_time``) when the model runs on CPU: on a shared machine
+other processes stretch wall time at random but not the work a step costs, and where the engine has
+the CPU to itself the two are proportional. (On an accelerator the wall clock is used.) Medians,
+not averages, for the same reason: one outlier step must not flip the decision. Each bucket starts by
+trying both arms a few times; afterwards the losing arm is still re-measured on 1 step in
+``EXPLORE_EVERY`` so the decision follows changes in acceptance (a grounded workload turning into
+free chat) and in load. Steps that run prefill are not decode-only and never count.
+
+With ``disable_by_batch_size`` set, the rule is vLLM V0's: draft only while at most that many
+requests are decoding.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nxdserve.engine.backends.base import StepPlan, StepResult
+
+WARMUP_STEPS = 3  # per arm and bucket before the measured rule takes over
+EXPLORE_EVERY = 16  # then re-measure the losing arm on 1 step in this many
+WINDOW = 7  # recent steps per arm whose median rate decides
+
+
+def batch_bucket(num_decoding: int) -> int:
+    """0 for 1 request, 1 for 2, 2 for 3-4, 3 for 5-8, ...: ceil(log2(B))."""
+    return max(0, int(num_decoding - 1).bit_length())
+
+
+@dataclass
+class _Arm:
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens per second
+    steps: int = 0
+
+    def add(self, rate: float) -> None:
+        self.recent.append(rate)
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
+
+
+class BatchSizePolicy:
+    def __init__(
+        self, disable_by_batch_size: int | None = None, clock: Callable[[], float] = time.process_time
+    ) -> None:
+        self.disable_by_batch_size = disable_by_batch_size
+        self.clock = clock
+        self._last_observed: float | None = None
+        self._arms: dict[tuple[int, bool], _Arm] = {}
+        self._visits: dict[int, int] = {}
+        self._pending: tuple[int, bool] | None = None  # decision whose step has not been measured yet
+
+    def should_draft(self, num_decoding: int) -> bool:
+        """Decide for the next step; ``num_decoding`` counts every request in the decode phase."""
+        if num_decoding <= 0:
+            self._pending = None
+            return False
+        if self.disable_by_batch_size is not None:
+            self._pending = None
+            return num_decoding <= self.disable_by_batch_size
+        bucket = batch_bucket(num_decoding)
+        visit = self._visits.get(bucket, 0)
+        self._visits[bucket] = visit + 1
+        on, off = self._arm(bucket, True), self._arm(bucket, False)
+        if on.steps < WARMUP_STEPS or off.steps < WARMUP_STEPS:
+            draft = on.steps <= off.steps  # alternate, starting with "on"
+        else:
+            draft = on.rate >= off.rate
+            if visit % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+                draft = not draft
+        self._pending = (bucket, draft)
+        return draft
+
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        """Charge the step that just ran to the decision that shaped it (decode-only steps only).
+        Call once per step, before drafting for the next one."""
+        now = self.clock()
+        last, self._last_observed = self._last_observed, now
+        pending, self._pending = self._pending, None
+        if pending is None or last is None or plan.num_rows == 0 or not plan.is_decode_only:
+            return
+        bucket, draft = pending
+        if batch_bucket(plan.num_rows) != bucket:
+            return  # the batch changed under the decision; its cost says nothing about this bucket
+        seconds = now - last
+        if seconds <= 0.0:
+            return
+        tokens = float(np.asarray(result.num_sampled).sum())
+        self._arm(bucket, draft).add(tokens / seconds)
+
+    def _arm(self, bucket: int, draft: bool) -> _Arm:
+        return self._arms.setdefault((bucket, draft), _Arm())
+
+    def describe(self) -> dict[str, dict[str, float]]:
+        """Measured rates per bucket (for logs and the benchmark)."""
+        out: dict[str, dict[str, float]] = {}
+        for (bucket, draft), arm in sorted(self._arms.items()):
+            if arm.steps == 0:
+                continue
+            lo, hi = (1, 1) if bucket == 0 else (2 ** (bucket - 1) + 1, 2**bucket)
+            out.setdefault(f"{lo}-{hi}", {})["on" if draft else "off"] = round(arm.rate, 2)
+        return out

@@ -1,0 +1,106 @@
+"""Self-distillation data for EAGLE: the target answers a prompt set, and we keep its hidden states.
+
+The target generates through the real engine (continuous batching, the serve-time dtype), with a
+recorder in the proposer hook that copies the final hidden state of every token the backend runs.
+So the features the head learns from are exactly the ones it will read when serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nxdserve.engine.backends.base import StepResult
+from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.request import Request
+from nxdserve.sampling_params import OutputKind, SamplingParams
+from nxdserve.scheduler.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    tokens: np.ndarray  # (L,) int64 prompt + response
+    features: torch.Tensor  # (L - 1, H) float32: the target's final hidden state at positions 0..L-2
+    prompt_len: int
+
+
+def load_prompts(path: str | Path | None = None) -> list[str]:
+    """Prompts from a JSONL file of {"prompt": ...} (default: the set shipped with nxdserve)."""
+    if path is None:
+        text = resources.files("nxdserve.speculative").joinpath("data/prompts.jsonl").read_text()
+    else:
+        text = Path(path).read_text()
+    prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"no prompts in {path or 'the default prompt set'}")
+    return prompts
+
+
+class FeatureRecorder:
+    """A Proposer that drafts nothing and records the backend's per-token hidden states."""
+
+    max_spec_tokens = 0
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def propose(
+        self, requests: list[Request], batch: PersistentBatch, sched: SchedulerOutput, result: StepResult
+    ) -> None:
+        hidden = result.aux["token_hidden_states"]
+        offsets = result.aux["token_offsets"]
+        for row, request in enumerate(sched.requests):
+            span = hidden[int(offsets[row]) : int(offsets[row + 1])]
+            start = int(sched.plan.start_pos[row])
+            self.chunks.setdefault(request.request_id, []).append((start, span.float().cpu().clone()))
+
+    def features(self, request_id: str, length: int) -> torch.Tensor:
+        parts = sorted(self.chunks.pop(request_id), key=lambda c: c[0])
+        out = torch.cat([p for _, p in parts])
+        return out[:length]
+
+
+def generate_corpus(
+    core: Any, prompts: list[str], max_new_tokens: int, progress: Any | None = None, temperature: float = 0.0,
+    seed: int = 0,
+) -> list[Sequence]:
+    """Run every prompt (chat template applied) through ``core``; return tokens with their features."""
+    recorder = FeatureRecorder()
+    core.proposer = recorder
+    core.backend.keep_hidden_states = True
+    tokenizer = core.tokenizer
+    pending: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        # As the chat endpoint does: render the template to text, then tokenize it.
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        ids = list(tokenizer.encode(str(text), add_special_tokens=False))[: core.max_prompt_len]
+        max_tokens = min(max_new_tokens, core.max_model_len - len(ids))
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i if temperature else None)
+        params.output_kind = OutputKind.FINAL_ONLY
+        request = core.make_request(ids, params)
+        core.add_request(request)
+        pending[request.request_id] = ids
+    corpus: list[Sequence] = []
+    while core.has_unfinished:
+        for out in core.step():
+            if not out.finished:
+                continue
+            prompt_ids = pending.pop(out.request_id)
+            tokens = np.asarray(prompt_ids + list(out.outputs[0].token_ids), dtype=np.int64)
+            corpus.append(Sequence(tokens, recorder.features(out.request_id, tokens.size - 1), len(prompt_ids)))
+            if progress is not None:
+                progress.update(1)
+    core.proposer = None
+    core.backend.keep_hidden_states = False
+    return corpus

@@ -1,0 +1,100 @@
+"""The batch-size rule: drafting stays on where it measured faster and turns off where it did not."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nxdserve.engine.backends.base import StepPlan, StepResult
+from nxdserve.engine.speculative.policy import EXPLORE_EVERY, WARMUP_STEPS, BatchSizePolicy, batch_bucket
+
+
+def decode_step(batch: int, drafts: int, tokens_per_row: float, seconds: float) -> tuple[StepPlan, StepResult]:
+    plan = StepPlan(
+        slots=np.arange(batch), start_pos=np.full(batch, 10), num_scheduled=np.full(batch, 1 + drafts),
+        num_drafts=np.full(batch, drafts), sample=np.ones(batch, dtype=bool),
+    )
+    sampled = np.full(batch, int(tokens_per_row))
+    result = StepResult(np.zeros((batch, 1 + drafts), dtype=np.int64), sampled,
+                        timings={"prepare": 0.0, "forward": seconds, "sample": 0.0})
+    return plan, result
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def new_policy() -> BatchSizePolicy:
+    return BatchSizePolicy(clock=Clock())
+
+
+def run_step(policy: BatchSizePolicy, batch: int, drafts: int, tokens: float, seconds: float) -> None:
+    """One step of ``seconds`` on the policy's clock, then its result."""
+    assert isinstance(policy.clock, Clock)
+    policy.clock.now += seconds
+    policy.observe(*decode_step(batch, drafts, tokens, seconds))
+
+
+def simulate(policy: BatchSizePolicy, batch: int, steps: int, on: tuple[float, float],
+             off: tuple[float, float]) -> list[bool]:
+    """Drive the policy: each decision shapes the next step, which yields (tokens per row, seconds)."""
+    run_step(policy, batch, 0, 1, 0.01)  # the clock's first reading
+    decisions = []
+    for _ in range(steps):
+        draft = policy.should_draft(batch)
+        decisions.append(draft)
+        tokens, seconds = on if draft else off
+        run_step(policy, batch, 3 if draft else 0, tokens, seconds)
+    return decisions
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+
+
+def test_fixed_threshold_is_vllms_rule() -> None:
+    policy = BatchSizePolicy(disable_by_batch_size=8)
+    assert policy.should_draft(1) and policy.should_draft(8)
+    assert not policy.should_draft(9) and not policy.should_draft(0)
+
+
+def test_keeps_drafting_where_it_pays_and_stops_where_it_does_not() -> None:
+    policy = new_policy()
+    # Small batch: 2 tokens per row in 1.1x the time of a plain step -> drafting wins.
+    small = simulate(policy, 1, 200, on=(2, 0.011), off=(1, 0.010))
+    # Large batch: 1.5 tokens per row in 2.5x the time -> plain decoding wins.
+    large = simulate(policy, 32, 200, on=(1.5, 0.25), off=(1, 0.10))
+    warm = 2 * WARMUP_STEPS
+    assert sum(small[warm:]) >= (200 - warm) * (1 - 1.5 / EXPLORE_EVERY)
+    assert sum(large[warm:]) <= (200 - warm) * 1.5 / EXPLORE_EVERY
+    assert any(large[warm:]), "the losing arm is still re-measured now and then"
+    rates = policy.describe()
+    assert rates["1-1"]["on"] > rates["1-1"]["off"] and rates["17-32"]["on"] < rates["17-32"]["off"]
+
+
+def test_follows_a_change_in_acceptance() -> None:
+    policy = new_policy()
+    simulate(policy, 4, 100, on=(3, 0.012), off=(1, 0.010))
+    later = simulate(policy, 4, 400, on=(1, 0.012), off=(1, 0.010))  # drafts stop being accepted
+    assert sum(later[-100:]) <= 100 // EXPLORE_EVERY + 1, "should have turned off, exploring rarely"
+
+
+def test_steps_that_are_not_plain_decode_are_not_measured() -> None:
+    policy = new_policy()
+    run_step(policy, 2, 0, 1, 0.01)
+    assert policy.should_draft(2)
+    plan, result = decode_step(2, 3, 4, 0.01)
+    plan.sample[0] = False  # a prefill chunk in the step
+    policy.observe(plan, result)
+    assert policy.describe() == {}
+
+
+def test_one_slow_outlier_step_does_not_flip_the_decision() -> None:
+    policy = new_policy()
+    simulate(policy, 1, 60, on=(2, 0.011), off=(1, 0.010))
+    assert policy.should_draft(1)
+    run_step(policy, 1, 3, 2, 0.5)  # a 45x slower step
+    assert sum(simulate(policy, 1, 10, on=(2, 0.011), off=(1, 0.010))) >= 9
