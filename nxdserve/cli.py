@@ -28,7 +28,6 @@ SUBCOMMANDS = {
     "bench": ("nxdserve.bench.cli", "main"),
     "train-eagle": ("nxdserve.speculative.train_eagle", "main"),
 }
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 def _size(text: str) -> int:
@@ -54,21 +53,9 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def validate_speculative_config(spec: dict[str, Any]) -> dict[str, Any]:
     """Check --speculative-config now, so a typo fails at startup rather than at first use."""
-    k = spec.get("num_speculative_tokens")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ConfigError("--speculative-config: num_speculative_tokens must be a positive integer")
-    method = spec.get("method")
-    if method is None:
-        method = "draft_model" if spec.get("model") else "ngram"
-    if method not in SPEC_METHODS:
-        raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
-    if method == "ngram":
-        lo, hi = spec.get("prompt_lookup_min", 1), spec.get("prompt_lookup_max", spec.get("prompt_lookup_min", 1))
-        if not all(isinstance(v, int) and v >= 1 for v in (lo, hi)) or lo > hi:
-            raise ConfigError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
-    elif not isinstance(spec.get("model"), str) or not spec["model"]:
-        raise ConfigError(f"--speculative-config: method {method!r} needs a 'model' path")
-    return {**spec, "method": method}
+    from nxdserve.engine.speculative.config import SpeculativeConfig
+
+    return {**spec, "method": SpeculativeConfig.from_dict(spec).method}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -31,6 +31,8 @@ class Sequence:
     tokens: np.ndarray  # (L,) int64 prompt + response
     features: torch.Tensor  # (L - 1, H) float32: the target's final hidden state at positions 0..L-2
     prompt_len: int
+    prompt_index: int = -1  # position of its prompt in the list given to generate_corpus
+    sampled: bool = False  # a sampled answer (temperature > 0), not the greedy one
 
 
 def load_prompts(path: str | Path | None = None) -> list[str]:
@@ -78,7 +80,7 @@ def generate_corpus(
     core.proposer = recorder
     core.backend.keep_hidden_states = True
     tokenizer = core.tokenizer
-    pending: dict[str, list[int]] = {}
+    pending: dict[str, tuple[int, list[int]]] = {}
     for i, prompt in enumerate(prompts):
         # As the chat endpoint does: render the template to text, then tokenize it.
         text = tokenizer.apply_chat_template(
@@ -90,15 +92,16 @@ def generate_corpus(
         params.output_kind = OutputKind.FINAL_ONLY
         request = core.make_request(ids, params)
         core.add_request(request)
-        pending[request.request_id] = ids
+        pending[request.request_id] = (i, ids)
     corpus: list[Sequence] = []
     while core.has_unfinished:
         for out in core.step():
             if not out.finished:
                 continue
-            prompt_ids = pending.pop(out.request_id)
+            index, prompt_ids = pending.pop(out.request_id)
             tokens = np.asarray(prompt_ids + list(out.outputs[0].token_ids), dtype=np.int64)
-            corpus.append(Sequence(tokens, recorder.features(out.request_id, tokens.size - 1), len(prompt_ids)))
+            features = recorder.features(out.request_id, tokens.size - 1)
+            corpus.append(Sequence(tokens, features, len(prompt_ids), index, temperature > 0))
             if progress is not None:
                 progress.update(1)
     core.proposer = None

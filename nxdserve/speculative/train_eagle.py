@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--gen-batch", type=int, default=48, help="concurrent requests while generating data")
     p.add_argument("--dtype", default="auto", help="target dtype while generating (use the serving dtype)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of the generated responses (0: greedy, what greedy serving sees)")
+    p.add_argument("--sampled-copies", type=int, default=1,
+                   help="extra sampled answers per prompt on top of the greedy one (more data; the head is data-bound)")
+    p.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled answers")
     p.add_argument("--draft-vocab-size", type=int, default=4096,
                    help="truncated draft vocabulary: this many most frequent ids (0: full vocabulary)")
     p.add_argument("--no-input-norm", action="store_true",
@@ -113,18 +114,25 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     target = core.backend.runner.model  # type: ignore[attr-defined]
 
     # 1. Self-generated text with the target's features.
+    # A greedy answer per prompt (what greedy serving sees), plus sampled ones for more data.
+    temperatures = [0.0] + [args.sample_temperature] * max(args.sampled_copies, 0)
     cache = Path(args.corpus_cache) if args.corpus_cache else None
     if cache is not None and cache.is_file():
         corpus = [Sequence(**item) for item in torch.load(cache, weights_only=False)]
     else:
-        with tqdm(total=len(prompts), desc="generating", unit="prompt", disable=args.no_progress) as bar:
-            corpus = generate_corpus(core, prompts, args.max_new_tokens, progress=bar,
-                                     temperature=args.temperature, seed=args.seed)
+        corpus = []
+        with tqdm(total=len(prompts) * len(temperatures), desc="generating", unit="answer",
+                  disable=args.no_progress) as bar:
+            for i, temperature in enumerate(temperatures):
+                corpus += generate_corpus(core, prompts, args.max_new_tokens, progress=bar,
+                                          temperature=temperature, seed=args.seed + 100_003 * i)
         if cache is not None:
             torch.save([vars(s) for s in corpus], cache)
     corpus.sort(key=lambda s: s.tokens.tolist())  # completion order varies with timing; fix it, then shuffle
     rng.shuffle(corpus)
-    heldout, train_set = corpus[:num_heldout], corpus[num_heldout:]
+    # Held out by prompt: the greedy answers to the first prompts; none of their answers are trained on.
+    heldout = [s for s in corpus if s.prompt_index < num_heldout and not s.sampled]
+    train_set = [s for s in corpus if s.prompt_index >= num_heldout]
     gen_seconds = time.perf_counter() - started
     num_tokens = sum(int(s.tokens.size - s.prompt_len) for s in corpus)
     logger.info("generated %d responses (%d tokens) in %.0f s", len(corpus), num_tokens, gen_seconds)
@@ -164,7 +172,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "out": str(out),
         "layout": "nxd" if args.nxd_layout else "nxdserve",
         "target": head_config["eagle_config"]["target"],
-        "prompts": {"train": len(train_set), "heldout": len(heldout)},
+        "answers": {"train": len(train_set), "heldout": len(heldout)},
         "response_tokens": num_tokens,
         "draft_vocab_size": None if vocab_ids is None else int(vocab_ids.numel()),
         "heldout_vocab_coverage": coverage,

@@ -21,11 +21,13 @@ def test_train_eagle_cli_then_serve(tmp_path: Path, nxd_layout: bool, capsys: py
     out = tmp_path / "head"
     argv = ["--model", model, "--out", str(out), "--num-prompts", "12", "--max-new-tokens", "12", "--epochs", "1",
             "--max-model-len", "128", "--gen-batch", "12", "--draft-vocab-size", "600", "--no-progress"]
-    assert main([*argv, "--nxd-layout"] if nxd_layout else argv) == 0
+    # The NxD run also checks a greedy-only corpus (no sampled copies).
+    assert main([*argv, "--nxd-layout", "--sampled-copies", "0"] if nxd_layout else argv) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert json.loads(capsys.readouterr().out)["out"] == str(out)
     assert report["layout"] == ("nxd" if nxd_layout else "nxdserve")
-    assert report["prompts"] == {"train": 11, "heldout": 1}
+    # 12 prompts: 1 held out (its greedy answer), 11 trained on, each with a greedy and a sampled answer.
+    assert report["answers"] == {"train": 11 if nxd_layout else 22, "heldout": 1}
     assert 1.0 <= report["heldout_acceptance"]["mean_acceptance_length"] <= 4.0
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
