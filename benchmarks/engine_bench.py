@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+import nxdserve  # noqa: F401 - before torch: it sets the OpenMP wait policy, read once when torch loads
+
+# isort: split
 import torch
 
 from nxdserve import AsyncEngine, EngineConfig, SamplingParams
@@ -61,6 +65,8 @@ def bench_transformers(model_path: str, dtype: torch.dtype, batch: int, tokens: 
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    # Our engine's thread governor may have left torch at one thread: the baseline gets all of them.
+    torch.set_num_threads(os.cpu_count() or 1)
     ids = torch.tensor([tok.encode(PROMPT)] * batch)
     with torch.inference_mode():
         if use_generate:

@@ -20,6 +20,7 @@ from torch import nn
 
 from nxdserve.engine.models import cpu_kernels
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache, slot_attention
+from nxdserve.engine.models.fused_decode import FusedDecode
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
 from nxdserve.engine.models.spec import ModelSpec
@@ -164,6 +165,7 @@ class LlamaFamilyModel(nn.Module):
         inv_freq, scaling = rope_inv_freq(hf_config, spec.head_dim, spec.rope_type)
         self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
         self.windows = frozenset(spec.sliding_windows)
+        self.fused_decode = FusedDecode(self)
 
     @classmethod
     def from_pretrained(
@@ -191,6 +193,8 @@ class LlamaFamilyModel(nn.Module):
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
         """token_ids (T,) -> final-norm hidden states (T, hidden)."""
+        if self.fused_decode.accepts(token_ids, meta):
+            return self.fused_decode.forward(token_ids, meta, kv_cache)
         x = F.embedding(token_ids, self.embed_weight)
         cos, sin = self.rope.gather(meta.positions)
         for i, layer in enumerate(self.layers):
