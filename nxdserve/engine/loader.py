@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nxdserve.config import EngineConfig
+from nxdserve.config import DEFAULT_CHUNKED_BATCHED_TOKENS, DEFAULT_CPU_CHUNKED_BATCHED_TOKENS, EngineConfig
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,19 @@ def max_positions(hf_config: Any) -> int | None:
     return int(value) if value else None
 
 
+def default_chunked_budget(config: EngineConfig) -> int:
+    """The chunked-mode step budget when none is given: smaller where the torch backend runs on a CPU."""
+    import torch
+
+    from nxdserve.engine.backends import nxd_status
+
+    if config.backend == "nxd" or (config.backend == "auto" and nxd_status()[0]):
+        return DEFAULT_CHUNKED_BATCHED_TOKENS
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return DEFAULT_CHUNKED_BATCHED_TOKENS
+    return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
+
+
 def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[Any, ModelFiles]:
     """Load everything and return a ready EngineCore (synchronous; used by AsyncEngine and tests)."""
     from nxdserve.engine.backends import create_backend
@@ -68,7 +81,7 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
     from nxdserve.engine.metrics import EngineMetrics
 
     files = load_model_files(config)
-    config.resolve(max_positions(files.hf_config))
+    config.resolve(max_positions(files.hf_config), chunked_token_budget=default_chunked_budget(config))
     backend = create_backend(config, files.path)
     extra = set(files.generation_eos_ids)
     name = config.served_model_name[0] if config.served_model_name else (config.model or files.path.name)
