@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from nxdserve.api.errors import APIError, sse_error_frame
-from nxdserve.api.generation import ChoiceState, EngineCall, abort_all, collect, merge, start_requests
+from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import chat_logprobs
 from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out, fan_out
 from nxdserve.api.protocol import ChatCompletionRequest, ChatMessage
@@ -27,13 +27,12 @@ from nxdserve.api.responses import (
     now,
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
-from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, run_until_disconnect, sse_frame
+from nxdserve.api.streaming import DONE_FRAME, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
 from nxdserve.errors import NxdServeError
 
 logger = logging.getLogger(__name__)
 
-CLIENT_CLOSED_REQUEST = 499
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -92,17 +91,7 @@ async def create_chat_completion(request: Request) -> Response:
     ids = engine_request_ids(request, response_id, len(children))
     calls = [EngineCall(prompt, child, rid, req.add_special_tokens) for child, rid in zip(children, ids, strict=True)]
     state.log_request(response_id, [prompt], params)
-    streams = start_requests(engine, calls)
-    view = _ChatView(state, req, model, response_id)
-    if req.stream:
-        return EventStreamResponse(view.frames(streams), on_close=lambda: abort_all(streams))
-    try:
-        states = await run_until_disconnect(request, collect(streams))
-    finally:
-        abort_all(streams)
-    if states is None:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(view.response(states).model_dump(mode="json"))
+    return await respond(request, engine, calls, _ChatView(state, req, model, response_id), bool(req.stream))
 
 
 @dataclass

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from nxdserve.api.errors import sse_error_frame
-from nxdserve.api.generation import ChoiceState, EngineCall, abort_all, collect, merge, start_requests
+from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import completion_logprobs
 from nxdserve.api.params import (
     build_sampling_params,
@@ -29,10 +29,8 @@ from nxdserve.api.responses import (
     now,
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
-from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, run_until_disconnect, sse_frame
+from nxdserve.api.streaming import DONE_FRAME, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
 
 
 async def create_completion(request: Request) -> Response:
@@ -49,17 +47,8 @@ async def create_completion(request: Request) -> Response:
     ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children)))
     calls = [EngineCall(prompt, child, next(ids), req.add_special_tokens) for prompt in prompts for child in children]
     state.log_request(response_id, prompts, params)
-    streams = start_requests(engine, calls)
     view = _CompletionView(state, req, model, response_id, calls)
-    if req.stream:
-        return EventStreamResponse(view.frames(streams), on_close=lambda: abort_all(streams))
-    try:
-        states = await run_until_disconnect(request, collect(streams))
-    finally:
-        abort_all(streams)
-    if states is None:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(view.response(states).model_dump(mode="json"))
+    return await respond(request, engine, calls, view, bool(req.stream))
 
 
 @dataclass

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
+
+from nxdserve.api.generation import ChoiceState, EngineCall, RequestStream, abort_all, collect, start_requests
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +111,30 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | None
     ``finally`` aborts the engine requests) and return None: nobody is left to answer."""
     _, result = await _cancel_on_disconnect(work, request.receive)
     return result
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
+
+
+class ResponseView(Protocol):
+    """How one endpoint turns its choices' engine outputs into OpenAI objects."""
+
+    def frames(self, streams: Sequence[RequestStream]) -> AsyncIterator[str]: ...
+
+    def response(self, states: Sequence[ChoiceState]) -> BaseModel: ...
+
+
+async def respond(request: Request, engine: Any, calls: Sequence[EngineCall], view: ResponseView,
+                  stream: bool) -> Response:
+    """Start every engine request of an API request, then stream its frames or return one JSON body.
+    Every engine request is aborted when the response ends, however it ends (a no-op for finished ones)."""
+    streams = start_requests(engine, calls)
+    if stream:
+        return EventStreamResponse(view.frames(streams), on_close=lambda: abort_all(streams))
+    try:
+        states = await run_until_disconnect(request, collect(streams))
+    finally:
+        abort_all(streams)
+    if states is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(view.response(states).model_dump(mode="json"))

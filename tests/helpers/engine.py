@@ -30,7 +30,7 @@ def run_to_completion(core: EngineCore, prompts: list[list[int]], params: list[S
                       max_steps: int = 10_000) -> list[RequestOutput]:
     """Submit all prompts at once and step until every one finishes; returns final outputs in order."""
     if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
+        params = [SamplingParams(**vars(params)) for _ in prompts]  # each request owns its params
     ids = []
     for prompt, p in zip(prompts, params, strict=True):
         p.output_kind = OutputKind.FINAL_ONLY
