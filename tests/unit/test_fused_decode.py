@@ -65,7 +65,7 @@ def _step(path: Path, fused: bool, dtype: torch.dtype, monkeypatch: pytest.Monke
         cache = _prefilled(model, prompts)
         meta = _meta(model, [0, 2, 1], [PROMPT_LEN] * 3, [1, 3, 1])
         with torch.inference_mode():
-            assert model.fused_decode.accepts(tokens, meta) == (fused and dtype == torch.bfloat16)
+            assert model.fused_decode.accepts(tokens, meta, cache) == (fused and dtype == torch.bfloat16)
         hidden = model(tokens, meta, cache)
         logits = model.compute_logits(hidden)
     written = cache.data[:, :, :, :, PROMPT_LEN : PROMPT_LEN + 3].float()
@@ -102,13 +102,18 @@ def test_fused_forward_is_not_used_where_it_does_not_apply(monkeypatch: pytest.M
     fp32 = LlamaFamilyModel.from_pretrained(tiny_model_path("llama"), torch.float32, torch.device("cpu"), MAX_LEN)
     qk_norm = LlamaFamilyModel.from_pretrained(tiny_model_path("qwen3"), torch.bfloat16, torch.device("cpu"), MAX_LEN)
     many = fused_decode.MAX_TOKENS + 1
+    one = torch.zeros(1, dtype=torch.long)
     with torch.inference_mode():
-        assert bf16.fused_decode.accepts(torch.zeros(1, dtype=torch.long), _meta(bf16, [0], [5], [1]))
+        cache = bf16.new_kv_cache(many, MAX_LEN)
+        assert bf16.fused_decode.accepts(one, _meta(bf16, [0], [5], [1]), cache)
         assert not bf16.fused_decode.accepts(torch.zeros(many, dtype=torch.long),
-                                             _meta(bf16, list(range(many)), [5] * many, [1] * many))
-        assert not bf16.fused_decode.accepts(torch.zeros(9, dtype=torch.long), _meta(bf16, [0], [0], [9]))
-        assert not fp32.fused_decode.accepts(torch.zeros(1, dtype=torch.long), _meta(fp32, [0], [5], [1]))
-        assert not qk_norm.fused_decode.accepts(torch.zeros(1, dtype=torch.long), _meta(qk_norm, [0], [5], [1]))
+                                             _meta(bf16, list(range(many)), [5] * many, [1] * many), cache)
+        assert not bf16.fused_decode.accepts(torch.zeros(9, dtype=torch.long), _meta(bf16, [0], [0], [9]), cache)
+        # Rows beyond the cache it is given (a slot or a position past its end) go to the checked path.
+        assert not bf16.fused_decode.accepts(one, _meta(bf16, [many], [5], [1]), cache)
+        assert not bf16.fused_decode.accepts(one, _meta(bf16, [0], [5], [1]), bf16.new_kv_cache(1, 5))
+        assert not fp32.fused_decode.accepts(one, _meta(fp32, [0], [5], [1]), fp32.new_kv_cache(1, MAX_LEN))
+        assert not qk_norm.fused_decode.accepts(one, _meta(qk_norm, [0], [5], [1]), qk_norm.new_kv_cache(1, MAX_LEN))
 
 
 @needs_fused

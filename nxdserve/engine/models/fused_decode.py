@@ -72,10 +72,13 @@ class FusedDecode:
         )
         self._table: tuple[tuple[int, int], ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int64]] | None = None
 
-    def accepts(self, token_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def accepts(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> bool:
         return (
             self.supported_model
             and 0 < meta.num_tokens <= MAX_TOKENS
+            # The C code trusts its indices: rows outside this cache take the checked torch path.
+            and meta.max_slot < kv_cache.num_slots
+            and meta.max_end <= kv_cache.max_len
             and meta.use_kernel
             and not meta.chunks
             and meta.kernel_select is None

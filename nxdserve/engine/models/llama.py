@@ -193,7 +193,7 @@ class LlamaFamilyModel(nn.Module):
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
         """token_ids (T,) -> final-norm hidden states (T, hidden)."""
-        if self.fused_decode.accepts(token_ids, meta):
+        if self.fused_decode.accepts(token_ids, meta, kv_cache):
             return self.fused_decode.forward(token_ids, meta, kv_cache)
         x = F.embedding(token_ids, self.embed_weight)
         cos, sin = self.rope.gather(meta.positions)
