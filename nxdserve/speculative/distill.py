@@ -168,11 +168,12 @@ def acceptance(
     rounds = 0
     for i in range(0, len(seqs), batch_size):
         batch = Batch.build(seqs[i : i + batch_size])
-        embeds = F.embedding(batch.tokens[:, 1:], embed_weight).float()
-        outputs = unrolled_forward(head, embeds, batch.features, depth=k - 1)
+        # In the head's own dtype: a bf16 head is what serving runs, and its rounding moves near-ties.
+        embeds = F.embedding(batch.tokens[:, 1:], embed_weight).to(head.dtype)
+        outputs = unrolled_forward(head, embeds, batch.features.to(head.dtype), depth=k - 1)
         preds = []
         for h in outputs:
-            best = F.linear(h, lm_weight).argmax(-1)
+            best = F.linear(h, lm_weight.to(h.dtype)).argmax(-1)
             preds.append(best if vocab_ids is None else vocab_ids[best])
         tokens = batch.tokens
         num_positions = tokens.shape[1] - 1

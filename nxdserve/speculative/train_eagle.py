@@ -29,7 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.speculative.eagle_head import EagleHead, head_config_from_target, save_eagle_head
+from nxdserve.engine.speculative.eagle import DEFAULT_MIN_DRAFT_CONFIDENCE
+from nxdserve.engine.speculative.eagle_head import (
+    EAGLE_CONFIG_KEY,
+    EagleHead,
+    head_config_from_target,
+    save_eagle_head,
+)
 from nxdserve.errors import NxdServeError
 from nxdserve.speculative.corpus import Sequence, generate_corpus, load_prompts
 from nxdserve.speculative.distill import Batch, acceptance, distill_loss, unrolled_forward
@@ -49,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=160, help="response length cap while generating data")
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--gen-batch", type=int, default=48, help="concurrent requests while generating data")
+    p.add_argument("--gen-batch", type=int, default=128, help="concurrent requests while generating data")
     p.add_argument("--dtype", default="auto", help="target dtype while generating (use the serving dtype)")
     p.add_argument("--sampled-copies", type=int, default=1,
                    help="extra sampled answers per prompt on top of the greedy one (more data; the head is data-bound)")
@@ -60,14 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-1's exact layer (no RMSNorm on fc's output); with the norm (default) the head trains "
                    "better, and NxD needs enable_eagle_draft_input_norm=True to run it")
     p.add_argument("--depth", type=int, default=1, help="chained-draft passes unrolled in training beyond the first")
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=2,
+                   help="passes over the corpus (2 over the default ~270k-token corpus keeps the run to minutes)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="AdamW weight decay on the head's matrices (not norms or biases)")
     p.add_argument("--cls-weight", type=float, default=1.0,
                    help="weight of the token loss against the feature regression (EAGLE-1 used 0.1)")
     p.add_argument("--prompt-loss", action="store_true", help="also train on prompt positions")
     p.add_argument("--feature-noise", type=float, default=0.05,
                    help="Gaussian noise on input features, relative to their RMS (EAGLE's robustness trick)")
+    p.add_argument("--min-draft-confidence", type=float, default=DEFAULT_MIN_DRAFT_CONFIDENCE,
+                   help="written into the head: serving proposes draft j only while the product of the head's top "
+                   "probabilities for drafts 1..j is at least this (0: always k drafts)")
     p.add_argument("--heldout", type=float, default=0.1, help="fraction of prompts kept for the acceptance check")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="k for the acceptance report")
     p.add_argument("--nxd-layout", action="store_true",
@@ -152,6 +164,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         draft_vocab_size=None if vocab_ids is None else int(vocab_ids.numel()),
         target_name=str(args.model or "SmolLM2-135M-Instruct"),
     )
+    head_config[EAGLE_CONFIG_KEY]["min_draft_confidence"] = args.min_draft_confidence
     head = EagleHead(head_config, torch.float32, torch.device("cpu"), args.max_model_len)
     init_head(head, args.seed)
     head.draft_vocab_ids = vocab_ids
@@ -242,7 +255,12 @@ def fit(head: EagleHead, seqs: list[Sequence], embed: torch.Tensor, lm_weight: t
     params = [p for p in head.parameters() if p.dtype.is_floating_point]
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # Decay only the matrices: shrinking RMSNorm gains or fc's bias would just rescale activations.
+    named = [(n, p) for n, p in head.named_parameters() if p.dtype.is_floating_point]
+    decayed = [p for n, p in named if p.ndim >= 2]
+    kept = [p for n, p in named if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": args.weight_decay},
+                                   {"params": kept, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     # Batches of similar lengths (less padding), reshuffled every epoch.
     by_len = sorted(seqs, key=lambda s: s.tokens.size)
     batches = [by_len[i : i + args.batch_size] for i in range(0, len(by_len), args.batch_size)]

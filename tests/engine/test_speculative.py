@@ -248,3 +248,27 @@ def test_default_model_greedy_is_identical_with_ngram_and_eagle() -> None:
         prompts = tokenize(plain, ["1, 2, 3, 4, 5, 6,", "The cat sat on the mat. The cat sat on the"])
         assert token_ids(run_to_completion(spec, prompts, greedy(10))) == token_ids(
             run_to_completion(plain, prompts, greedy(10)))
+
+
+def test_eagle_stops_drafting_where_the_head_is_unsure(tmp_path: Path) -> None:
+    """``eagle_config.min_draft_confidence``: drafts stop once the product of the head's top
+    probabilities falls below it (1.01: nothing is ever drafted); output stays exactly plain greedy."""
+    target = copycat_model()
+    plain = core_for(target, None, "chunked")
+    prompts = prompts_of_lengths(plain, (6, 9, 12, 15))
+    expected = token_ids(run_to_completion(plain, prompts, greedy(16)))
+    drafted = {}
+    for threshold in (0.0, 0.005, 1.01):
+        folder = tmp_path / f"head-{threshold}"
+        shutil.copytree(eagle_head(target, "identity"), folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["eagle_config"]["min_draft_confidence"] = threshold
+        (folder / "config.json").write_text(json.dumps(config))
+        spec = {**method_config("eagle", target), "model": str(folder)}
+        core = make_core(model=target, max_model_len=MAX_LEN, speculative_config=spec, **MODES["chunked"])
+        assert token_ids(run_to_completion(core, prompts, greedy(16))) == expected, threshold
+        assert core.proposer is not None and core.proposer.failures == 0  # type: ignore[attr-defined]
+        drafted[threshold] = spec_counts(core)[0]
+    assert drafted[1.01] == 0 < drafted[0.0]
+    # This untrained head is rarely sure: a low threshold keeps some chains and cuts others short.
+    assert 0 < drafted[0.005] < drafted[0.0]

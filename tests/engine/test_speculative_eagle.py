@@ -14,7 +14,7 @@ from safetensors import safe_open
 from nxdserve.engine.models.attention import AttentionMetadata
 from nxdserve.engine.speculative.eagle_head import EagleHead, head_config_from_target, load_eagle_head, save_eagle_head
 from nxdserve.speculative.corpus import Sequence
-from nxdserve.speculative.distill import Batch, distill_loss, unrolled_forward
+from nxdserve.speculative.distill import Batch, acceptance, distill_loss, unrolled_forward
 
 VOCAB, HIDDEN, MAX_LEN = 97, 64, 64
 TARGET_CONFIG = {
@@ -119,3 +119,26 @@ def test_checkpoint_round_trip_and_layouts(tmp_path: Path, nxd: bool) -> None:
         assert loaded.draft_vocab_ids is None
     else:
         assert loaded.draft_vocab_ids is not None and loaded.draft_vocab_ids.tolist() == [5, 3, 9, 1]
+
+
+def test_acceptance_runs_in_the_heads_dtype_on_bf16_features() -> None:
+    """The corpus keeps the target's bf16 states as bf16, and a bf16 head (what serving runs) must be
+    measurable directly; a head that predicts the next token exactly is accepted at every position."""
+    g = torch.Generator().manual_seed(9)
+    feats = torch.randn(15, HIDDEN, generator=g).to(torch.bfloat16)
+    seq = Sequence(np.arange(16) % VOCAB, feats, 3)
+    batch = Batch.build([seq])
+    assert batch.features.dtype == torch.float32
+    assert torch.equal(batch.features[0], feats.float())  # bf16 -> float32 is exact
+    head = make_head(seed=2).to(torch.bfloat16)
+    head.dtype = torch.bfloat16
+    lm = torch.randn(VOCAB, HIDDEN, generator=g)
+    embed = torch.randn(VOCAB, HIDDEN, generator=g)
+    result = acceptance(head, [seq], embed.to(torch.bfloat16), lm.to(torch.bfloat16), None, 2)
+    assert result["rounds"] == 16 - 2 - 1 - 2  # starts at the first response round, leaves room for k + 1 tokens
+    assert len(result["per_position"]) == 2  # type: ignore[arg-type]
+    # An "oracle" draft vocabulary: whatever the head argmaxes maps to the true next token when the
+    # vocabulary is a single id and the text repeats that id.
+    const = Sequence(np.full(16, 5), feats, 3)
+    exact = acceptance(head, [const], embed.to(torch.bfloat16), lm[:1].to(torch.bfloat16), torch.tensor([5]), 2)
+    assert exact["per_position"] == [1.0, 1.0] and exact["mean_acceptance_length"] == 3.0

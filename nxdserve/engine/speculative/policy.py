@@ -9,12 +9,16 @@ step gets slower than plain decode.
 The rule (used when ``disable_by_batch_size`` is not set): batch sizes are bucketed by powers of two
 (1, 2, 3-4, 5-8, ..., 33-64, ...). For each bucket the policy keeps the generated tokens per second
 of the last ``WINDOW`` decode-only steps with drafting on and with it off, and drafts when the
-median "on" rate is at least the median "off" rate. A step's cost is everything between two
+"on" rate is at least the "off" rate. A step's cost is everything between two
 ``observe`` calls (drafting, scheduling, the forward, sampling, output processing), measured on the
 engine's own CPU clock (``time.process_time``) when the model runs on CPU: on a shared machine
 other processes stretch wall time at random but not the work a step costs, and where the engine has
-the CPU to itself the two are proportional. (On an accelerator the wall clock is used.) Medians,
-not averages, for the same reason: one outlier step must not flip the decision. Each bucket starts by
+the CPU to itself the two are proportional. (On an accelerator the wall clock is used.) An arm's
+rate is its window's tokens over its window's seconds, leaving out steps slower than
+``OUTLIER_FACTOR`` x the window's median step (one outlier step must not flip the decision). Not the
+median of per-step rates: a drafting step yields 1 token when its first draft is rejected and 2..k+1
+when not, so with first-draft acceptance below one half the median step is a rejected one, and a
+median would turn drafting off even where its mean rate is well ahead. Each bucket starts by
 trying both arms a few times; afterwards the losing arm is still re-measured on 1 step in
 ``EXPLORE_EVERY`` so the decision follows changes in acceptance (a grounded workload turning into
 free chat) and in load. Steps that run prefill are not decode-only and never count.
@@ -37,7 +41,8 @@ from nxdserve.engine.backends.base import StepPlan, StepResult
 
 WARMUP_STEPS = 3  # per arm and bucket before the measured rule takes over
 EXPLORE_EVERY = 16  # then re-measure the losing arm on 1 step in this many
-WINDOW = 7  # recent steps per arm whose median rate decides
+WINDOW = 16  # recent steps per arm whose pooled rate decides
+OUTLIER_FACTOR = 4.0  # steps this many times slower than the window's median are left out
 
 
 def batch_bucket(num_decoding: int) -> int:
@@ -47,16 +52,21 @@ def batch_bucket(num_decoding: int) -> int:
 
 @dataclass
 class _Arm:
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens per second
+    recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (tokens, s)
     steps: int = 0
 
-    def add(self, rate: float) -> None:
-        self.recent.append(rate)
+    def add(self, tokens: float, seconds: float) -> None:
+        self.recent.append((tokens, seconds))
         self.steps += 1
 
     @property
     def rate(self) -> float:
-        return statistics.median(self.recent) if self.recent else 0.0
+        """Tokens per second over the window, without outlier steps (see the module docstring)."""
+        if not self.recent:
+            return 0.0
+        limit = OUTLIER_FACTOR * statistics.median(s for _, s in self.recent)
+        kept = [(t, s) for t, s in self.recent if s <= limit]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
 
 class BatchSizePolicy:
@@ -106,7 +116,7 @@ class BatchSizePolicy:
         if seconds <= 0.0:
             return
         tokens = float(np.asarray(result.num_sampled).sum())
-        self._arm(bucket, draft).add(tokens / seconds)
+        self._arm(bucket, draft).add(tokens, seconds)
 
     def _arm(self, bucket: int, draft: bool) -> _Arm:
         return self._arms.setdefault((bucket, draft), _Arm())
