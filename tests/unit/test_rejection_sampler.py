@@ -57,6 +57,27 @@ def test_greedy_accepts_the_matching_prefix_then_one_target_token() -> None:
     assert out.logprobs is None
 
 
+def test_greedy_fast_path_equals_the_general_path() -> None:
+    """All-greedy rows without processors or logprobs skip the per-position machinery; asking for
+    logprobs sends the same rows through the general path, which must pick the same tokens."""
+    gen = torch.Generator().manual_seed(5)
+    n, width, vocab = 7, 4, 30
+    logits = torch.randn(n, width, vocab, generator=gen)
+    best = logits.argmax(-1)
+    drafts = best[:, :3].clone()
+    flip = torch.rand(n, 3, generator=gen) < 0.3  # random mismatches anywhere in the chains
+    drafts[flip] = (drafts[flip] + 1) % vocab
+    num_drafts = torch.tensor([3, 2, 0, 1, 3, 3, 2])
+    fast = Sampler(vocab, CPU).verify(logits, drafts, num_drafts, np.arange(n),
+                                      make_batch([SamplingParams(temperature=0.0)] * n), None)
+    general = Sampler(vocab, CPU).verify(logits, drafts, num_drafts, np.arange(n),
+                                         make_batch([SamplingParams(temperature=0.0, logprobs=0)] * n), None)
+    assert fast.logprobs is None and general.logprobs is not None
+    assert fast.token_ids.tolist() == general.token_ids.tolist()
+    assert fast.num_tokens.tolist() == general.num_tokens.tolist()
+    assert len(set(fast.num_tokens.tolist())) > 1  # the case mixes accepted lengths
+
+
 def test_greedy_verification_equals_sequential_decoding_with_penalties_and_min_tokens() -> None:
     """Drafts join the history of later positions (penalties) and count as outputs (min_tokens)."""
     vocab = 6

@@ -118,6 +118,15 @@ class Sampler:
         nd = num_drafts.detach().cpu().numpy().astype(np.int64)
         assert nd.shape == (n,) and (nd >= 0).all() and (nd <= max_drafts).all(), "bad num_drafts"
         slots = np.asarray(slots, dtype=np.int64)
+        request_rows = RowParams.gather(batch, slots)
+        if (
+            request_rows.greedy.all()
+            and request_rows.num_logprobs.max(initial=-1) < 0
+            and ProcessorPlan.build(request_rows, self._slot_tables(batch)).empty
+        ):
+            # No processor applies at the first position, so none at later ones either (drafts only
+            # bring min_tokens closer): the plain argmax at every position decides.
+            return _verify_greedy(logits, drafts, torch.from_numpy(nd).to(device))
         layout = DraftLayout.build(nd)
 
         # Only real positions are processed: a private fp32 copy of those rows.
@@ -349,3 +358,20 @@ class Sampler:
         if self._tables is None or not self._tables.matches(batch):
             self._tables = SlotTables(batch)
         return self._tables
+
+
+def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> VerifyOutput:
+    """All-greedy rows without processors or logprobs: accept while a draft equals the target's argmax,
+    then the argmax after the accepted prefix (the bonus token when all were accepted). One argmax
+    over (N, W, V) instead of the general path's per-position gathers (measured ~1 ms a step at batch 1)."""
+    target = logits.argmax(dim=-1)  # (N, W)
+    width = target.shape[1]
+    if width > 1:
+        col = torch.arange(width - 1, device=target.device)[None, :]
+        match = (target[:, : width - 1] == drafts) & (col < num_drafts[:, None])
+        num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+    else:
+        num_accepted = torch.zeros(target.shape[0], dtype=torch.long, device=target.device)
+    final = target.gather(1, num_accepted[:, None]).squeeze(1)
+    return VerifyOutput(token_ids=assemble(drafts, num_accepted, final, width), num_tokens=num_accepted + 1,
+                        logprobs=None)
