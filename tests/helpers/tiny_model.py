@@ -144,6 +144,14 @@ def tiny_model_path(family: str) -> Path:
     return build_tiny_model(family, root / family)
 
 
+@cache
+def reference_model(path: Path) -> torch.nn.Module:
+    """transformers' own implementation of a checkpoint (fp32, eager attention), loaded once per path."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
 @contextlib.contextmanager
 def single_torch_thread() -> Iterator[None]:
     """Run torch on one intra-op thread for the block, then restore.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from nxdserve.engine.backends.base import StepPlan, StepResult
 from nxdserve.engine.backends.torch_backend import TorchBackend
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.sampling_params import SamplingParams
-from tests.helpers.tiny_model import VOCAB_SIZE, single_torch_thread, tiny_model_path
+from tests.helpers.tiny_model import VOCAB_SIZE, reference_model, single_torch_thread, tiny_model_path
 
 MAX_LEN = 64
 NUM_SLOTS = 4
@@ -26,13 +25,6 @@ MAX_SPEC = 3
 def _one_torch_thread() -> Iterator[None]:
     with single_torch_thread():
         yield
-
-
-@cache
-def reference_model(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def ref_logits(ids: list[int]) -> torch.Tensor:

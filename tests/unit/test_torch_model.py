@@ -18,7 +18,14 @@ import torch
 from nxdserve.engine.models import AttentionMetadata, ModelSpec, SlotModelRunner, resolve_device, resolve_dtype
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.errors import ConfigError
-from tests.helpers.tiny_model import TINY_FAMILIES, VOCAB_SIZE, build_tiny_model, single_torch_thread, tiny_model_path
+from tests.helpers.tiny_model import (
+    TINY_FAMILIES,
+    VOCAB_SIZE,
+    build_tiny_model,
+    reference_model,
+    single_torch_thread,
+    tiny_model_path,
+)
 
 FAMILIES = sorted(TINY_FAMILIES)
 ATOL_TINY = 1e-4
@@ -33,13 +40,6 @@ CPU = torch.device("cpu")
 def _one_torch_thread() -> Iterator[None]:
     with single_torch_thread():
         yield
-
-
-@cache
-def reference_model(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def reference_logits(path: Path, ids: Sequence[int]) -> torch.Tensor:

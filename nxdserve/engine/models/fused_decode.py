@@ -9,6 +9,7 @@ layer path. Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M): see ``benchmar
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -47,11 +48,15 @@ def tile_weight(weight: torch.Tensor) -> torch.Tensor:
     return tiled
 
 
-def available() -> bool:
-    if not enabled or not cpu_kernels.available():
-        return False
+@functools.cache
+def _built() -> bool:
+    """Whether the kernel library has the fused forward (AVX512-BF16 targets only); asked once."""
     lib = cpu_kernels._library()
     return lib is not None and bool(lib.decode_forward_available())
+
+
+def available() -> bool:
+    return enabled and cpu_kernels.available() and _built()
 
 
 class FusedDecode:
