@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.speculative.eagle import DEFAULT_MIN_DRAFT_CONFIDENCE
+from nxdserve.engine.speculative.eagle import DEFAULT_MIN_DRAFT_CONFIDENCE, DEFAULT_MIN_FIRST_DRAFT_CONFIDENCE
 from nxdserve.engine.speculative.eagle_head import (
     EAGLE_CONFIG_KEY,
     EagleHead,
     head_config_from_target,
+    load_eagle_head,
     save_eagle_head,
 )
 from nxdserve.errors import NxdServeError
@@ -78,8 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feature-noise", type=float, default=0.05,
                    help="Gaussian noise on input features, relative to their RMS (EAGLE's robustness trick)")
     p.add_argument("--min-draft-confidence", type=float, default=DEFAULT_MIN_DRAFT_CONFIDENCE,
-                   help="written into the head: serving proposes draft j only while the product of the head's top "
-                   "probabilities for drafts 1..j is at least this (0: always k drafts)")
+                   help="written into the head: serving proposes draft j >= 2 only while the product of the head's "
+                   "top probabilities for drafts 1..j is at least this (0: always k drafts)")
+    p.add_argument("--min-first-draft-confidence", type=float, default=DEFAULT_MIN_FIRST_DRAFT_CONFIDENCE,
+                   help="written into the head: serving proposes draft 1 only when the head's top probability is at "
+                   "least this")
+    p.add_argument("--retune", action="store_true",
+                   help="no training: keep the head already in --out and rewrite only its draft vocabulary "
+                   "(--draft-vocab-size, from the corpus) and confidence bars, then re-measure held-out acceptance")
     p.add_argument("--heldout", type=float, default=0.1, help="fraction of prompts kept for the acceptance check")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="k for the acceptance report")
     p.add_argument("--nxd-layout", action="store_true",
@@ -157,19 +164,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     lm_full = target.lm_head_weight.detach().float()
     lm_weight = lm_full if vocab_ids is None else lm_full.index_select(0, vocab_ids)
 
-    # 3. The head.
-    head_config = head_config_from_target(
-        json.loads((Path(files.path) / "config.json").read_text()),
-        input_norm=not args.no_input_norm,
-        draft_vocab_size=None if vocab_ids is None else int(vocab_ids.numel()),
-        target_name=str(args.model or "SmolLM2-135M-Instruct"),
-    )
-    head_config[EAGLE_CONFIG_KEY]["min_draft_confidence"] = args.min_draft_confidence
-    head = EagleHead(head_config, torch.float32, torch.device("cpu"), args.max_model_len)
-    init_head(head, args.seed)
-    head.draft_vocab_ids = vocab_ids
+    # 3. The head: trained here, or (--retune) the one already in --out.
     train_started = time.perf_counter()
-    history = fit(head, train_set, embed, lm_weight, args)
+    history: list[dict[str, Any]] = []
+    if args.retune:
+        try:
+            head = load_eagle_head(args.out, torch.float32, torch.device("cpu"), args.max_model_len)
+        except NxdServeError as exc:
+            raise NxdServeError(f"--retune needs a trained head in --out: {exc}") from exc
+        head_config = head.config
+        head_config[EAGLE_CONFIG_KEY]["draft_vocab_size"] = None if vocab_ids is None else int(vocab_ids.numel())
+    else:
+        head_config = head_config_from_target(
+            json.loads((Path(files.path) / "config.json").read_text()),
+            input_norm=not args.no_input_norm,
+            draft_vocab_size=None if vocab_ids is None else int(vocab_ids.numel()),
+            target_name=str(args.model or "SmolLM2-135M-Instruct"),
+        )
+        head = EagleHead(head_config, torch.float32, torch.device("cpu"), args.max_model_len)
+        init_head(head, args.seed)
+    head_config[EAGLE_CONFIG_KEY]["min_draft_confidence"] = args.min_draft_confidence
+    head_config[EAGLE_CONFIG_KEY]["min_first_draft_confidence"] = args.min_first_draft_confidence
+    head.draft_vocab_ids = vocab_ids
+    if not args.retune:
+        history = fit(head, train_set, embed, lm_weight, args)
     train_seconds = time.perf_counter() - train_started
 
     # 4. Held-out acceptance, then save.
@@ -184,7 +202,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     report = {
         "out": str(out),
         "layout": "nxd" if args.nxd_layout else "nxdserve",
-        "target": head_config["eagle_config"]["target"],
+        "retuned": bool(args.retune),
+        "target": head_config[EAGLE_CONFIG_KEY].get("target"),
         "answers": {"train": len(train_set), "heldout": len(heldout)},
         "response_tokens": num_tokens,
         "draft_vocab_size": None if vocab_ids is None else int(vocab_ids.numel()),

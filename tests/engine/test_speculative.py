@@ -252,23 +252,30 @@ def test_default_model_greedy_is_identical_with_ngram_and_eagle() -> None:
 
 def test_eagle_stops_drafting_where_the_head_is_unsure(tmp_path: Path) -> None:
     """``eagle_config.min_draft_confidence``: drafts stop once the product of the head's top
-    probabilities falls below it (1.01: nothing is ever drafted); output stays exactly plain greedy."""
+    probabilities falls below it (1.01: nothing is ever drafted); ``min_first_draft_confidence``, when
+    given, is draft 1's own bar (0 and 1.01: one draft per round). Output stays exactly plain greedy."""
     target = copycat_model()
     plain = core_for(target, None, "chunked")
     prompts = prompts_of_lengths(plain, (6, 9, 12, 15))
     expected = token_ids(run_to_completion(plain, prompts, greedy(16)))
-    drafted = {}
-    for threshold in (0.0, 0.005, 1.01):
-        folder = tmp_path / f"head-{threshold}"
+    drafted, rounds = {}, {}
+    for first, threshold in ((None, 0.0), (None, 0.005), (None, 1.01), (0.0, 1.01)):
+        folder = tmp_path / f"head-{first}-{threshold}"
         shutil.copytree(eagle_head(target, "identity"), folder)
         config = json.loads((folder / "config.json").read_text())
         config["eagle_config"]["min_draft_confidence"] = threshold
+        if first is not None:
+            config["eagle_config"]["min_first_draft_confidence"] = first
         (folder / "config.json").write_text(json.dumps(config))
         spec = {**method_config("eagle", target), "model": str(folder)}
         core = make_core(model=target, max_model_len=MAX_LEN, speculative_config=spec, **MODES["chunked"])
-        assert token_ids(run_to_completion(core, prompts, greedy(16))) == expected, threshold
+        assert token_ids(run_to_completion(core, prompts, greedy(16))) == expected, (first, threshold)
         assert core.proposer is not None and core.proposer.failures == 0  # type: ignore[attr-defined]
-        drafted[threshold] = spec_counts(core)[0]
-    assert drafted[1.01] == 0 < drafted[0.0]
+        drafted[first, threshold] = spec_counts(core)[0]
+        assert core.metrics is not None
+        rounds[first, threshold] = core.metrics.registry.get_sample_value(
+            "vllm:spec_decode_num_drafts_total", {"model_name": core.config.model}) or 0
+    assert drafted[None, 1.01] == 0 < drafted[None, 0.0]
     # This untrained head is rarely sure: a low threshold keeps some chains and cuts others short.
-    assert 0 < drafted[0.005] < drafted[0.0]
+    assert 0 < drafted[None, 0.005] < drafted[None, 0.0]
+    assert 0 < drafted[0.0, 1.01] == rounds[0.0, 1.01]

@@ -47,3 +47,43 @@ def test_bad_arguments_exit_with_usage() -> None:
     with pytest.raises(SystemExit) as info:
         main([])  # --out is required
     assert info.value.code == 2
+
+
+def test_retune_rewrites_the_vocabulary_and_bars_of_an_existing_head(tmp_path: Path) -> None:
+    """``--retune``: no training; the head's weights stay, its draft vocabulary and confidence bars are
+    rewritten (here: from none to 300 ids), and it still serves losslessly."""
+    model = str(tiny_model_path("llama"))
+    out, cache = tmp_path / "head", tmp_path / "corpus.pt"
+    argv = ["--model", model, "--out", str(out), "--num-prompts", "8", "--max-new-tokens", "10", "--max-model-len",
+            "128", "--gen-batch", "8", "--no-progress", "--corpus-cache", str(cache), "--sampled-copies", "0"]
+    assert main([*argv, "--epochs", "1", "--draft-vocab-size", "0"]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        before = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    assert "draft_vocab_ids" not in before
+    assert main([*argv, "--retune", "--draft-vocab-size", "300", "--min-draft-confidence", "0.4",
+                 "--min-first-draft-confidence", "0.02"]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        after = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    assert after.pop("draft_vocab_ids").numel() == 300
+    assert after.keys() == before.keys() and all(after[n].equal(before[n]) for n in before)
+    config = json.loads((out / "config.json").read_text())["eagle_config"]
+    assert config["draft_vocab_size"] == 300
+    assert (config["min_draft_confidence"], config["min_first_draft_confidence"]) == (0.4, 0.02)
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["retuned"] is True and report["final_train"] == {}
+
+    spec = {"method": "eagle", "model": str(out), "num_speculative_tokens": 2, "disable_by_batch_size": 64}
+    plain = make_core(model=model, max_model_len=128)
+    core = make_core(model=model, max_model_len=128, speculative_config=spec)
+    prompts = tokenize(plain, PROMPTS[:4])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in run_to_completion(plain, prompts, params)]
+    assert [o.outputs[0].token_ids for o in run_to_completion(core, prompts, params)] == expected
+
+
+def test_retune_without_a_head_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(tiny_model_path("llama"))
+    argv = ["--model", model, "--out", str(tmp_path / "none"), "--num-prompts", "2", "--max-new-tokens", "4",
+            "--max-model-len", "128", "--no-progress", "--sampled-copies", "0", "--retune"]
+    assert main(argv) == 1
+    assert "--retune needs a trained head" in capsys.readouterr().err

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nxdserve.engine.backends.base import StepResult
-from nxdserve.engine.models import LlamaFamilyModel
+from nxdserve.engine.models import LlamaFamilyModel, cpu_kernels
 from nxdserve.engine.models.attention import AttentionMetadata
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.persistent_batch import PersistentBatch
@@ -44,12 +44,15 @@ from nxdserve.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-# Threshold on the product of the head's top probabilities (see the module docstring) that
-# ``train-eagle`` writes into a head's ``eagle_config.min_draft_confidence``. On SmolLM2-135M (bf16,
-# CPU, batch 1) one more verified token costs about 12% of a plain step and the chained head step a
-# few % more, so a draft must be accepted at least that often to pay for itself; 0.15-0.2 came out best
-# of 0.05-0.3 in an offline cost estimate on held-out chat. Heads without the key draft all k (0.0).
-DEFAULT_MIN_DRAFT_CONFIDENCE = 0.15
+# Confidence bars that ``train-eagle`` writes into a head's ``eagle_config`` (see the module docstring).
+# Draft 1 (``min_first_draft_confidence``) is nearly free to verify on the CPU backend: the fused forward
+# runs two tokens of a row in about the time of one, and the head's output for it is computed anyway to
+# keep the head's cache in step. Draft j >= 2 (``min_draft_confidence``, on the product of the top
+# probabilities of drafts 1..j) costs a chained head call plus a third verification token, about 7% of a
+# plain step on SmolLM2-135M, so it pays only where the head is fairly sure. Both picked from held-out
+# acceptance against measured step costs (docs/speculative.md). Heads with neither key always draft k.
+DEFAULT_MIN_FIRST_DRAFT_CONFIDENCE = 0.05
+DEFAULT_MIN_DRAFT_CONFIDENCE = 0.3
 
 
 class EagleProposer(SpeculativeProposer):
@@ -82,6 +85,9 @@ class EagleProposer(SpeculativeProposer):
             self.lm_weight = target.lm_head_weight
         eagle_config = head.config.get(EAGLE_CONFIG_KEY) or {}
         self.min_confidence = float(eagle_config.get("min_draft_confidence", 0.0))
+        # Draft 1 has its own (lower) bar: see ``DEFAULT_MIN_FIRST_DRAFT_CONFIDENCE``. Heads written before it
+        # existed use min_draft_confidence for draft 1 too.
+        self.min_first_confidence = float(eagle_config.get("min_first_draft_confidence", self.min_confidence))
         self.kv_cache = head.new_kv_cache(num_slots, max_model_len)
         self.kv_len = np.zeros(num_slots, dtype=np.int64)  # positions with (token, real feature) pairs
         # The head's output at its last real position, per slot: the predicted feature f_{N-1}.
@@ -89,6 +95,12 @@ class EagleProposer(SpeculativeProposer):
         self.last_pos = np.full(num_slots, -1, dtype=np.int64)
         self.owners: list[str | None] = [None] * num_slots
         self._warned_missing = False
+        # The head's attention always runs through the CPU slot-attention kernel when it can (it needs only
+        # each token's slot and position), so its metadata is made directly instead of by
+        # ``AttentionMetadata.build``, whose masks and row bookkeeping serve SDPA: ~0.1 ms per head call.
+        spec_ = head.spec
+        probe = torch.empty(1, spec_.num_heads, spec_.head_dim, dtype=head.dtype, device=self.device)
+        self._direct_metadata = self.device.type == "cpu" and cpu_kernels.supports(probe, self.kv_cache.layer(0)[0])
 
     # -- keeping the head's cache in step with the target --------------------------------------------
     @torch.inference_mode()
@@ -119,17 +131,26 @@ class EagleProposer(SpeculativeProposer):
         slots = np.asarray(plan.slots, dtype=np.int64)[rows]
         starts = np.asarray(plan.start_pos, dtype=np.int64)[rows]
         n = n_valid[rows]
-        token_row = np.repeat(np.arange(rows.size), n)
-        row_offsets = np.zeros(rows.size + 1, dtype=np.int64)
-        np.cumsum(n, out=row_offsets[1:])
-        within = np.arange(row_offsets[-1]) - row_offsets[token_row]
-        positions = starts[token_row] + within
-        next_tokens = torch.from_numpy(batch.token_ids[slots[token_row], positions + 1]).to(self.device)
-        feature_index = torch.from_numpy(offsets[rows][token_row] + within).to(self.device)
-        features = hidden.index_select(0, feature_index).to(self.head.dtype)
-        out = self._run(next_tokens, features, slots, starts, n)
-        last = torch.from_numpy(row_offsets[1:] - 1).to(self.device)
-        self.last_hidden[torch.from_numpy(slots).to(self.device)] = out.index_select(0, last)
+        if rows.size == 1:  # one row (single-stream decoding): slices instead of gathers
+            slot, start, count, offset = int(slots[0]), int(starts[0]), int(n[0]), int(offsets[rows[0]])
+            next_tokens = torch.from_numpy(batch.token_ids[slot, start + 1 : start + count + 1]).to(self.device)
+            features = hidden[offset : offset + count]
+            if features.dtype != self.head.dtype:
+                features = features.to(self.head.dtype)
+            out = self._run(next_tokens, features, slots, starts, n)
+            self.last_hidden[slot] = out[-1]
+        else:
+            token_row = np.repeat(np.arange(rows.size), n)
+            row_offsets = np.zeros(rows.size + 1, dtype=np.int64)
+            np.cumsum(n, out=row_offsets[1:])
+            within = np.arange(row_offsets[-1]) - row_offsets[token_row]
+            positions = starts[token_row] + within
+            next_tokens = torch.from_numpy(batch.token_ids[slots[token_row], positions + 1]).to(self.device)
+            feature_index = torch.from_numpy(offsets[rows][token_row] + within).to(self.device)
+            features = hidden.index_select(0, feature_index).to(self.head.dtype)
+            out = self._run(next_tokens, features, slots, starts, n)
+            last = torch.from_numpy(row_offsets[1:] - 1).to(self.device)
+            self.last_hidden[torch.from_numpy(slots).to(self.device)] = out.index_select(0, last)
         self.last_pos[slots] = starts + n - 1
         self.kv_len[slots] = starts + n
 
@@ -146,10 +167,12 @@ class EagleProposer(SpeculativeProposer):
         h = self.last_hidden.index_select(0, torch.from_numpy(slots[active]).to(self.device))
         current, conf = self._argmax(h)
         confidence = conf.cpu().numpy()
-        lengths[active[confidence < self.min_confidence]] = 0
         drafts[active, 0] = current.cpu().numpy()
+        # Draft 1 needs min_first_confidence; draft j >= 2 needs the product over drafts 1..j at
+        # min_confidence, so a chain step runs only while that product still allows it.
+        lengths[active] = np.where(confidence >= self.min_first_confidence, 1, 0)
         for j in range(1, k_max):
-            keep = (k[active] > j) & (confidence >= self.min_confidence)
+            keep = (k[active] > j) & (lengths[active] == j) & (confidence >= self.min_confidence)
             if not keep.all():
                 index = torch.from_numpy(np.flatnonzero(keep)).to(self.device)
                 active, current, h = active[keep], current.index_select(0, index), h.index_select(0, index)
@@ -162,22 +185,46 @@ class EagleProposer(SpeculativeProposer):
             confidence = confidence * conf.cpu().numpy()
             drafts[active, j] = current.cpu().numpy()
             # Rows that became unsure keep the drafts before this one.
-            unsure = confidence < self.min_confidence
-            lengths[active[unsure]] = j
+            lengths[active[confidence >= self.min_confidence]] = j + 1
         return drafts, lengths
 
     def _run(
         self, tokens: torch.Tensor, features: torch.Tensor, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray
     ) -> torch.Tensor:
-        meta = AttentionMetadata.build(
-            slots, starts, lens,
-            num_query_groups=self.head.num_query_groups,
-            windows=self.head.windows,
-            max_len=self.kv_cache.max_len,
-            device=self.device,
-        )
-        embeds = F.embedding(tokens, self.embed_weight).to(self.head.dtype)
+        meta = self._metadata(slots, starts, lens)
+        embeds = F.embedding(tokens, self.embed_weight)
+        if embeds.dtype != self.head.dtype:
+            embeds = embeds.to(self.head.dtype)
         return self.head(embeds, features, meta, self.kv_cache)
+
+    def _metadata(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> AttentionMetadata:
+        """Rows of ``lens[r]`` tokens of slot ``slots[r]`` from ``starts[r]``, as ``AttentionMetadata.build``
+        makes them; made directly for the CPU kernel (each token attends its slot's keys up to its own
+        position, which is all the head's rows need)."""
+        max_end = int((starts + lens).max())
+        max_slot = int(slots.max())
+        if not self._direct_metadata or max_end > self.kv_cache.max_len or max_slot >= self.kv_cache.num_slots:
+            return AttentionMetadata.build(
+                slots, starts, lens,
+                num_query_groups=self.head.num_query_groups,
+                windows=self.head.windows,
+                max_len=self.kv_cache.max_len,
+                device=self.device,
+            )  # fmt: skip
+        if lens.size == 1:
+            start, count = int(starts[0]), int(lens[0])
+            positions = torch.arange(start, start + count, dtype=torch.int64)
+            write_slots = torch.full((count,), max_slot, dtype=torch.int64)
+        else:
+            count = int(lens.sum())
+            token_row = np.repeat(np.arange(lens.size), lens)
+            first = np.cumsum(lens) - lens
+            positions = torch.from_numpy(starts[token_row] + np.arange(count) - first[token_row])
+            write_slots = torch.from_numpy(np.ascontiguousarray(slots[token_row], dtype=np.int64))
+        return AttentionMetadata(
+            num_tokens=count, positions=positions, write_slots=write_slots, batched=None, chunks=[],
+            use_kernel=True, kernel_select=None, kernel_count=count, max_slot=max_slot, max_end=max_end,
+        )  # fmt: skip
 
     def _argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy draft ids (full vocabulary) and the head's probability for them."""
