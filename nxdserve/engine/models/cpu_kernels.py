@@ -34,14 +34,15 @@ from typing import Any
 
 import torch
 
-from nxdserve.engine.models import decode_source
+from nxdserve.engine.models import decode_source, gemm_source
 
 logger = logging.getLogger(__name__)
 
 MAX_GROUP = 16  # query heads per KV head
 MAX_HEAD_DIM = 256
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,7 +229,10 @@ void silu_mul_##SUF(const T* gu, T* out, int64_t rows, int64_t cols, int nthread
 
 DEFINE_ELEMENTWISE(bf16, uint16_t, bf2f, f2bf, R_bf16)
 DEFINE_ELEMENTWISE(f32, float, F32, F32, R_f32)
-""" + decode_source.SOURCE
+"""
+    + gemm_source.SOURCE
+    + decode_source.SOURCE
+)
 
 # -ffast-math lets GCC vectorise exp (libmvec) and the fp32 sums; no inf/NaN reach the kernels' own
 # arithmetic. It is given when compiling only: linked with it, GCC < 13 adds crtfastmath.o, whose
@@ -249,9 +253,9 @@ _SIGNATURES = {
 
 # x, T, layer pointers, windows, L, final norm, eps, cos, sin, slots, pos, H, NH, NKV, D, I, c_ss, c_sh,
 # bf16 scratch, fp32 scratch, threads (see decode_source)
-_DECODE_FORWARD_SIGNATURE = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _ptr, _ptr] + [_i64] * 7 + [
-    _ptr, _ptr, _int
-]
+_DECODE_FORWARD_SIGNATURE = (
+    [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _ptr, _ptr] + [_i64] * 7 + [_ptr, _ptr, _int]
+)
 
 
 def _cache_dir() -> Path:
@@ -314,8 +318,11 @@ def _library() -> ctypes.CDLL | None:
         if lib.decode_forward_available():  # built only where the compiler targets AVX512-BF16
             lib.decode_forward_bf16.argtypes = _DECODE_FORWARD_SIGNATURE
             lib.decode_forward_bf16.restype = None
-            lib.linear_small_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _int]
-            lib.linear_small_bf16.restype = None
+        lib.gemm_available.restype = _int
+        if lib.gemm_available():
+            # x, M, K, x row stride, packed w, bias, residual, residual row stride, N, out, out row stride, threads
+            lib.gemm_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int]
+            lib.gemm_bf16.restype = None
     except Exception as exc:  # any failure: fall back to SDPA, loudly once
         logger.warning("CPU attention kernel unavailable (%s): using SDPA", exc)
         return None

@@ -12,8 +12,9 @@ training an EAGLE head) makes it stale and it is rebuilt on the next call. Weigh
 calls that record autograd, non-CPU tensors and dtypes oneDNN does not pack natively fall back to
 ``F.linear``. ``NXDSERVE_PACKED_LINEAR=0`` turns packing off (for A/B measurements).
 
-At most ``fused_decode.MAX_TOKENS`` bf16 rows go to ``fused_decode.small_linear`` instead (a weight copy
-in a tiled layout read at full memory bandwidth: the LM head at one row took 1.6 ms instead of 2.6).
+Where the kernels are built for AVX512-BF16, bf16 weights go to ``gemm`` instead (its own packed layout,
+faster than oneDNN at every row count a model runs: see ``gemm_source``); oneDNN is the fallback and no
+oneDNN copy is made then.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.models import fused_decode
+from nxdserve.engine.models import gemm
 
 _ATTR = "_nxdserve_packed"
 _PACKED_DTYPES = (torch.bfloat16,)
@@ -71,21 +72,29 @@ def drop_packed(weight: torch.Tensor) -> None:
         delattr(weight, _ATTR)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; through the packed weight when there is no autograd to record."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, plus ``residual`` when given (rounded as the eager ``out + residual``):
+    through ``gemm`` or the packed oneDNN weight when there is no autograd to record."""
     if not enabled or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return F.linear(x, weight, bias)
-    if x.dim() == 2 and x.shape[0] <= fused_decode.MAX_TOKENS and not weight.requires_grad:
-        out = fused_decode.small_linear(x, weight, bias)  # a few rows: the bandwidth-bound C kernel
-        if out is not None:
-            return out
-    packed = packed_weight(weight)
+        out = F.linear(x, weight, bias)
+        return out if residual is None else out + residual
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    res2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
+    out = None if weight.is_inference() else gemm.matmul(x2, weight, bias, res2)
+    if out is None:
+        out = _onednn_linear(x2, weight, bias)
+        if res2 is not None:
+            out = out + res2
+    return out if x.dim() == 2 else out.view(*lead, out.shape[-1])
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = None if weight.is_inference() else packed_weight(weight)
     if packed is None or x.dtype != weight.dtype or x.device.type != "cpu" or x.numel() == 0:
         return F.linear(x, weight, bias)
     if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
         return F.linear(x, weight, bias)
-    if x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    lead = x.shape[:-1]
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-    return out.view(*lead, out.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -101,9 +101,9 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(qkv[:, s.q_size : s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = slot_attention(q, k, v, k_cache, v_cache, meta, self.window)
-        x = x + linear(attn, self.o_weight, self.o_bias)
+        x = linear(attn, self.o_weight, self.o_bias, residual=x)
         gate, up = linear(self.post_norm(x), self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return x + linear(self.act(gate) * up, self.down_weight, self.down_bias)
+        return linear(self.act(gate) * up, self.down_weight, self.down_bias, residual=x)
 
     def _fusable(self, x: torch.Tensor) -> bool:
         return (
@@ -140,7 +140,7 @@ class DecoderLayer(nn.Module):
         o = linear(attn, self.o_weight, self.o_bias)
         x, h = cpu_kernels.rms_norm(x, self.post_norm.weight, self.post_norm.eps, delta=o)
         act = cpu_kernels.silu_mul(linear(h, self.gate_up_weight, self.gate_up_bias))
-        return linear(act, self.down_weight, self.down_bias).add_(x)
+        return linear(act, self.down_weight, self.down_bias, residual=x)
 
 
 class LlamaFamilyModel(nn.Module):

@@ -1,0 +1,99 @@
+"""The packed bf16 GEMM (``gemm``) against fp32 matmul, its epilogue's rounding and its packed copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdserve.engine.models import gemm
+from nxdserve.engine.models.linear import linear
+
+needs_gemm = pytest.mark.skipif(not gemm.available(), reason="no AVX512-BF16 C kernels on this machine")
+
+
+def _data(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    r = torch.randn(m, n, generator=gen).bfloat16()
+    return x, w, b, r
+
+
+@needs_gemm
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 17, 3),  # one row; a partial 16-column vector; odd K: the zero-padded last pair
+        (7, 100, 77),  # fewer rows than a register tile; a partial panel
+        (9, 144, 64),  # one full tile and one row
+        (33, 960, 576),
+        (200, 96, 1536),  # more rows than one L2 block of x (80 rows at K=1536)
+    ],
+)
+def test_gemm_matches_fp32_matmul_to_bf16_rounding(m: int, n: int, k: int) -> None:
+    x, w, b, r = _data(m, n, k, seed=m)
+    with torch.inference_mode():
+        out = gemm.matmul(x, w, b)
+        with_res = gemm.matmul(x, w, b, r)
+    assert out is not None and with_res is not None and out.shape == (m, n) and out.dtype == torch.bfloat16
+    ref = F.linear(x.float(), w.float(), b.float())
+    # Exact products summed in fp32: at most one bf16 rounding step from the fp32 result, nearly always none.
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-3)
+    assert (out == ref.bfloat16()).float().mean().item() > 0.97
+    # The residual is added to the rounded projection and rounded again, as the eager ``out + residual``.
+    assert torch.equal(with_res, (out.float() + r.float()).bfloat16())
+
+
+@needs_gemm
+def test_gemm_result_does_not_depend_on_thread_count() -> None:
+    x, w, b, _ = _data(40, 480, 320, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            one = gemm.matmul(x, w, b)
+            torch.set_num_threads(max(2, threads))
+            many = gemm.matmul(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None and many is not None and torch.equal(one, many)
+
+
+@needs_gemm
+def test_packed_copy_follows_in_place_weight_updates() -> None:
+    x = torch.ones(3, 64, dtype=torch.bfloat16)
+    weight = torch.zeros(50, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        before = gemm.matmul(x, weight)
+        weight.add_(1.0)  # e.g. weights loaded again: the packed copy must not be stale
+        after = gemm.matmul(x, weight)
+    assert before is not None and after is not None
+    assert before.abs().max().item() == 0.0
+    assert torch.equal(after.float(), torch.full((3, 50), 64.0))
+
+
+@needs_gemm
+def test_linear_takes_the_gemm_for_2d_and_3d_inputs_and_adds_the_residual() -> None:
+    x, w, b, r = _data(12, 70, 48, seed=5)
+    with torch.inference_mode():
+        direct = gemm.matmul(x, w, b)
+        flat = linear(x, w, b)
+        batched = linear(x.view(3, 4, 48), w, b)
+        fused = linear(x.view(3, 4, 48), w, b, residual=r.view(3, 4, 70))
+    assert direct is not None
+    assert torch.equal(flat, direct) and torch.equal(batched, direct.view(3, 4, 70))
+    assert torch.equal(fused, (direct.float() + r.float()).bfloat16().view(3, 4, 70))
+
+
+def test_gemm_declines_what_it_does_not_cover() -> None:
+    x, w, b, _ = _data(4, 32, 16, seed=2)
+    with torch.inference_mode():
+        assert gemm.matmul(x.float(), w.float()) is None  # fp32
+        assert gemm.matmul(x.repeat(1, 2)[:, ::2], w) is None  # elements of a row not adjacent
+        assert gemm.matmul(x, w[:, :8]) is None  # inner sizes differ
+    trained = torch.nn.Parameter(w.clone())
+    assert gemm.matmul(x, trained) is None  # requires grad: autograd must see the op
+    y = linear(x, trained, b)
+    assert y.requires_grad
