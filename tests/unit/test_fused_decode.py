@@ -18,29 +18,44 @@ MAX_LEN = 64
 PROMPT_LEN = 20
 
 
+CUSTOM_CONFIGS = {
+    # hidden 80 and intermediate 136: projections whose sizes are not multiples of the GEMM's 48-column
+    # panels or 16-lane vectors (the masked tails), five query heads on one KV head.
+    "odd": {
+        "hidden_size": 80,
+        "intermediate_size": 136,
+        "num_attention_heads": 5,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+    },
+    # SmolLM2's attention shape (head size 64, three query heads per KV head): the vectorised item kernel.
+    "d64-g3": {
+        "hidden_size": 192,
+        "intermediate_size": 256,
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+    },
+}
+
+
 @pytest.fixture(scope="module")
-def odd_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """hidden 80 and intermediate 136: projections whose inner size is not a multiple of the kernel's
-    32-value chunks (the masked tail), five query heads on one KV head."""
+def custom_model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
-    config = _llama(
-        hidden_size=80,
-        intermediate_size=136,
-        num_attention_heads=5,
-        num_key_value_heads=1,
-        head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape)
-            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
-    out = tmp_path_factory.mktemp("odd") / "odd"
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    paths = {}
+    for name, overrides in CUSTOM_CONFIGS.items():
+        config = _llama(**overrides, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                noise = torch.randn(param.shape)
+                param.copy_(1.0 + 0.2 * noise if pname.endswith("norm.weight") else 0.15 * noise)
+        out = tmp_path_factory.mktemp(name) / name
+        model.save_pretrained(str(out), safe_serialization=True)
+        paths[name] = out
+    return paths
 
 
 def _meta(model: LlamaFamilyModel, slots: list[int], starts: list[int], lens: list[int]) -> AttentionMetadata:
@@ -90,12 +105,12 @@ def _step(path: Path, fused: bool, dtype: torch.dtype, monkeypatch: pytest.Monke
 
 @needs_fused
 @pytest.mark.parametrize(
-    "family", ["llama", "llama-llama3-untied", "llama-linear-bias", "mistral-window", "qwen2", "odd"]
+    "family", ["llama", "llama-llama3-untied", "llama-linear-bias", "mistral-window", "qwen2", *CUSTOM_CONFIGS]
 )
 def test_fused_forward_is_as_close_to_fp32_as_the_layer_path(
-    family: str, odd_model_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = odd_model_path if family == "odd" else tiny_model_path(family)
+    path = custom_model_paths[family] if family in CUSTOM_CONFIGS else tiny_model_path(family)
     ref_hidden, ref_logits, ref_kv = _step(path, False, torch.float32, monkeypatch)
     layer_hidden, layer_logits, layer_kv = _step(path, False, torch.bfloat16, monkeypatch)
     fused_hidden, fused_logits, fused_kv = _step(path, True, torch.bfloat16, monkeypatch)

@@ -42,6 +42,85 @@ static void df_rmsnorm(const uint16_t* x, const uint16_t* w, float eps, uint16_t
     }
 }
 
+/* lane j of the result = sum of v[j]'s 16 lanes (a 16 x 16 transpose-and-add in 46 shuffles and adds). */
+static inline __m512 df_sum16(const __m512* v) {
+    __m512 s[8], t[4];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(t[0], t[1]), _mm512_unpackhi_ps(t[0], t[1]));
+    __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(t[2], t[3]), _mm512_unpackhi_ps(t[2], t[3]));
+    __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a01), _mm512_castps_pd(a23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a01), _mm512_castps_pd(a23))));
+    /* lane 4q + i now holds v[q + 4i] */
+    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(idx, r);
+}
+
+/* One (token, KV head) item for head size 64 and GG query heads per KV head (a compile-time count, so
+   the output accumulators stay in registers): q . k as bf16 pair products summed in fp32 (exact
+   products, like the fp32 loop), sixteen keys reduced together; softmax and p . v in fp32. */
+#define DF_ITEM64(GG)                                                                                  \
+static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t* vb, int64_t n,         \
+                           float scale, float* sc, uint16_t* o) {                                       \
+    __m512bh qv[GG][2]; /* a zmm holds 32 bf16: half a row */                                          \
+    for (int g = 0; g < GG; g++) {                                                                     \
+        qv[g][0] = (__m512bh)_mm512_loadu_si512(q + g * 64);                                           \
+        qv[g][1] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);                                      \
+    }                                                                                                  \
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                           \
+        int64_t nb = n - j0 < 16 ? n - j0 : 16;                                                        \
+        __m512 part[GG][16];                                                                           \
+        for (int64_t j = 0; j < 16; j++) {                                                             \
+            if (j < nb) {                                                                              \
+                const uint16_t* kr = kb + (j0 + j) * 64;                                               \
+                __builtin_prefetch(kr + 16 * 64);                                                      \
+                __builtin_prefetch((const char*)(kr + 16 * 64) + 64);                                  \
+                __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 32); \
+                for (int g = 0; g < GG; g++)                                                           \
+                    part[g][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1); \
+            } else {                                                                                   \
+                for (int g = 0; g < GG; g++) part[g][j] = _mm512_setzero_ps();                         \
+            }                                                                                          \
+        }                                                                                              \
+        __mmask16 m = nb == 16 ? (__mmask16)0xffff : (__mmask16)((1u << nb) - 1);                      \
+        for (int g = 0; g < GG; g++)                                                                   \
+            _mm512_mask_storeu_ps(sc + g * n + j0, m, _mm512_mul_ps(df_sum16(part[g]), _mm512_set1_ps(scale))); \
+    }                                                                                                  \
+    float inv[GG];                                                                                     \
+    for (int g = 0; g < GG; g++) {                                                                     \
+        float* sg = sc + g * n;                                                                        \
+        float mx = sg[0];                                                                              \
+        for (int64_t j = 1; j < n; j++) mx = fmaxf(mx, sg[j]);                                         \
+        float sum = 0.f;                                                                               \
+        for (int64_t j = 0; j < n; j++) { float e = expf(sg[j] - mx); sg[j] = e; sum += e; }           \
+        inv[g] = 1.f / sum;                                                                            \
+    }                                                                                                  \
+    __m512 acc[GG][4];                                                                                 \
+    for (int g = 0; g < GG; g++)                                                                       \
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();                                   \
+    for (int64_t j = 0; j < n; j++) {                                                                  \
+        const uint16_t* vr = vb + j * 64;                                                              \
+        __builtin_prefetch(vr + 16 * 64);                                                              \
+        __builtin_prefetch((const char*)(vr + 16 * 64) + 64);                                          \
+        __m512 v[4];                                                                                   \
+        for (int c = 0; c < 4; c++) v[c] = gm_widen(_mm256_loadu_si256((const __m256i*)(vr + 16 * c))); \
+        for (int g = 0; g < GG; g++) {                                                                 \
+            __m512 w = _mm512_set1_ps(sc[g * n + j]);                                                  \
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);               \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int g = 0; g < GG; g++)                                                                       \
+        for (int c = 0; c < 4; c++) {                                                                  \
+            __m256i h = gm_round(_mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));                    \
+            _mm256_storeu_si256((__m256i*)(o + g * 64 + 16 * c), h);                                   \
+        }                                                                                              \
+}
+DF_ITEM64(1) DF_ITEM64(2) DF_ITEM64(3) DF_ITEM64(4)
+
 /* One thread's share of x (T, K) @ w^T (+ bias) (+ res) -> out, w packed (``gemm.pack``), N outputs. */
 static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w, const uint16_t* b,
                            const uint16_t* res, int64_t N, uint16_t* out, int tid, int nth) {
@@ -115,7 +194,11 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 const uint16_t* vb = vc + slots[t] * c_ss + kv * c_sh + lo * D;
                 const uint16_t* qr = qkv + t * QKV + kv * G * D;
                 uint16_t* o = attn + t * NH * D + kv * G * D;
-                if (D == 64) item_bf16_64(qr, D, kb, vb, ps + 1 - lo, G, D, scale, sc, o);
+                if (D == 64 && G == 1) df_item64_1(qr, kb, vb, ps + 1 - lo, scale, sc, o);
+                else if (D == 64 && G == 2) df_item64_2(qr, kb, vb, ps + 1 - lo, scale, sc, o);
+                else if (D == 64 && G == 3) df_item64_3(qr, kb, vb, ps + 1 - lo, scale, sc, o);
+                else if (D == 64 && G == 4) df_item64_4(qr, kb, vb, ps + 1 - lo, scale, sc, o);
+                else if (D == 64) item_bf16_64(qr, D, kb, vb, ps + 1 - lo, G, D, scale, sc, o);
                 else if (D == 128) item_bf16_128(qr, D, kb, vb, ps + 1 - lo, G, D, scale, sc, o);
                 else item_bf16_any(qr, D, kb, vb, ps + 1 - lo, G, D, scale, sc, o);
             }

@@ -56,6 +56,7 @@ class FusedDecode:
             and s.num_heads // s.num_kv_heads <= cpu_kernels.MAX_GROUP
         )
         self._table: tuple[tuple[int, int], ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int64]] | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
 
     def accepts(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> bool:
         return (
@@ -100,6 +101,14 @@ class FusedDecode:
             self._table = (key, table, window_array)
         return self._table[1], self._table[2]
 
+    def _buffer(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Scratch kept between forwards and grown on demand: a fresh multi-megabyte allocation per step is
+        a fresh mapping, and its page faults cost ~2% of a step."""
+        buf = self._buffers[index]
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[index] = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype=dtype)
+        return buf
+
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
         """token_ids (T,) -> final-norm hidden states (T, hidden), like ``LlamaFamilyModel.forward``."""
         model, s = self.model, self.model.spec
@@ -112,9 +121,8 @@ class FusedDecode:
         sin = model.rope.sin.index_select(0, meta.positions)
         threads = torch.get_num_threads()
         qkv = s.q_size + 2 * s.kv_size
-        work = torch.empty(t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size), dtype=torch.bfloat16)
-        group = s.num_heads // s.num_kv_heads
-        scratch = torch.empty(threads * group * meta.max_end, dtype=torch.float32)
+        work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size), torch.bfloat16)
+        scratch = self._buffer(1, threads * (s.num_heads // s.num_kv_heads) * meta.max_end, torch.float32)
         k_cache, _ = kv_cache.layer(0)
         lib.decode_forward_bf16(
             x.data_ptr(), t, table, windows, len(model.layers), model.norm.weight.data_ptr(), model.norm.eps,
