@@ -218,7 +218,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         + json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": k})
         + "'",
     }
-    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    # A retune keeps the training report and writes its own beside it.
+    name = "retune_report.json" if args.retune else "train_report.json"
+    (out / name).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -69,8 +69,9 @@ def test_retune_rewrites_the_vocabulary_and_bars_of_an_existing_head(tmp_path: P
     config = json.loads((out / "config.json").read_text())["eagle_config"]
     assert config["draft_vocab_size"] == 300
     assert (config["min_draft_confidence"], config["min_first_draft_confidence"]) == (0.4, 0.02)
-    report = json.loads((out / "train_report.json").read_text())
+    report = json.loads((out / "retune_report.json").read_text())
     assert report["retuned"] is True and report["final_train"] == {}
+    assert json.loads((out / "train_report.json").read_text())["retuned"] is False  # the training's own report
 
     spec = {"method": "eagle", "model": str(out), "num_speculative_tokens": 2, "disable_by_batch_size": 64}
     plain = make_core(model=model, max_model_len=128)

@@ -46,13 +46,13 @@ logger = logging.getLogger(__name__)
 
 # Confidence bars that ``train-eagle`` writes into a head's ``eagle_config`` (see the module docstring).
 # Draft 1 (``min_first_draft_confidence``) is nearly free to verify on the CPU backend: the fused forward
-# runs two tokens of a row in about the time of one, and the head's output for it is computed anyway to
-# keep the head's cache in step. Draft j >= 2 (``min_draft_confidence``, on the product of the top
-# probabilities of drafts 1..j) costs a chained head call plus a third verification token, about 7% of a
-# plain step on SmolLM2-135M, so it pays only where the head is fairly sure. Both picked from held-out
-# acceptance against measured step costs (docs/speculative.md). Heads with neither key always draft k.
+# runs a few more tokens of a row in about the time of one, and the head's output for it is computed anyway
+# to keep the head's cache in step. Draft j >= 2 (``min_draft_confidence``, on the product of the top
+# probabilities of drafts 1..j) costs a chained head call (~3% of a plain step on SmolLM2-135M) that is
+# wasted when the chain's next draft is rejected. Both picked from held-out acceptance against measured
+# step costs (docs/speculative.md). Heads with neither key always draft k.
 DEFAULT_MIN_FIRST_DRAFT_CONFIDENCE = 0.05
-DEFAULT_MIN_DRAFT_CONFIDENCE = 0.3
+DEFAULT_MIN_DRAFT_CONFIDENCE = 0.1
 
 
 class EagleProposer(SpeculativeProposer):
