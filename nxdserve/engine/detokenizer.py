@@ -16,19 +16,38 @@ class IncrementalDetokenizer:
 
     def __init__(self, backend_tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         self._tokenizer = backend_tokenizer
-        self._stream = DecodeStream(
-            ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens
-        )
+        self._context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
+        self._token_ids: list[int] = []
         self.text = ""
 
     def add(self, token_ids: list[int]) -> int:
         """Decode new tokens; returns how many characters were added to ``text``."""
         before = len(self.text)
+        self._token_ids.extend(token_ids)
         for token_id in token_ids:
             piece = self._stream.step(self._tokenizer, token_id)
             if piece:
                 self.text += piece
         return len(self.text) - before
+
+    def flush(self) -> int:
+        """At the end of a request: add the text the stream still holds back. DecodeStream waits while the
+        text ends in U+FFFD (the bytes of a character split over tokens), so tokens that ARE the
+        replacement character, or a sequence cut off by the length limit, would otherwise never appear
+        (e.g. a greedy loop on such a token ended with empty text). Returns the characters added."""
+        decode = self._tokenizer.decode
+        context = decode(self._context, skip_special_tokens=self._skip_special_tokens)
+        full = decode(self._context + self._token_ids, skip_special_tokens=self._skip_special_tokens)
+        if not full.startswith(context):
+            return 0
+        tail = full[len(context) :]
+        if len(tail) <= len(self.text) or not tail.startswith(self.text):
+            return 0
+        added = len(tail) - len(self.text)
+        self.text = tail
+        return added
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:

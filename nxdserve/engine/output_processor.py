@@ -98,6 +98,8 @@ class OutputProcessor:
             finish_reason = request.finish_reason if update.finished else None
             stop_reason = request.stop_reason if update.finished else None
             num_new_chars = state.detokenizer.add(update.new_token_ids)
+            if finish_reason is not None:
+                num_new_chars += state.detokenizer.flush()
             if finish_reason is None and state.params.stop and len(state.token_ids) > state.params.min_tokens:
                 match = find_stop_string(state.detokenizer.text, num_new_chars, state.params.stop)
                 if match is not None:
