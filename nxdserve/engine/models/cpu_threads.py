@@ -17,9 +17,12 @@ the governor watches each step:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 
 def _cpu_idle_jiffies() -> tuple[int, int] | None:
@@ -98,6 +101,10 @@ class ThreadGovernor:
             self._bad_steps = 0
 
     def _switch(self, threads: int, now: float) -> None:
+        logger.info(
+            "thread governor: %d -> %d intra-op threads (%s)", self.threads, threads,
+            "another process holds a core" if threads == 1 else "a core is idle again",
+        )  # fmt: skip
         self.threads = threads
         self._mode_since = now
         self._bad_steps = 0
