@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-1's exact layer (no RMSNorm on fc's output); with the norm (default) the head trains "
                    "better, and NxD needs enable_eagle_draft_input_norm=True to run it")
     p.add_argument("--depth", type=int, default=1, help="chained-draft passes unrolled in training beyond the first")
-    p.add_argument("--epochs", type=int, default=2,
-                   help="passes over the corpus (2 over the default ~270k-token corpus keeps the run to minutes)")
+    p.add_argument("--epochs", type=int, default=4,
+                   help="passes over the corpus (on the default ~270k-token corpus 4 gave held-out acceptance length "
+                   "1.85 against 2 epochs' 1.70, for twice the training time)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0,
