@@ -279,3 +279,25 @@ def test_eagle_stops_drafting_where_the_head_is_unsure(tmp_path: Path) -> None:
     # This untrained head is rarely sure: a low threshold keeps some chains and cuts others short.
     assert 0 < drafted[None, 0.005] < drafted[None, 0.0]
     assert 0 < drafted[0.0, 1.01] == rounds[0.0, 1.01]
+
+
+def test_eagle_skips_its_cache_update_at_large_batch_while_drafting_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above SYNC_WHILE_OFF_MAX_BATCH decoding requests, steps that will not draft skip the head's cache
+    update; those requests never draft again (their cache has a hole) and stay exactly plain greedy,
+    and a request admitted later into a reused slot drafts normally."""
+    import nxdserve.engine.speculative.eagle as eagle_module
+
+    monkeypatch.setattr(eagle_module, "SYNC_WHILE_OFF_MAX_BATCH", 1)
+    target = copycat_model()
+    plain = core_for(target, None, "chunked")
+    prompts = prompts_of_lengths(plain, (6, 9, 12))
+    expected = token_ids(run_to_completion(plain, prompts, greedy(16)))
+    spec = {**method_config("eagle", target), "disable_by_batch_size": 1}  # draft only while 1 request decodes
+    core = make_core(model=target, max_model_len=MAX_LEN, speculative_config=spec, **MODES["chunked"])
+    assert token_ids(run_to_completion(core, prompts, greedy(16))) == expected
+    proposer = core.proposer
+    assert proposer is not None and proposer.failures == 0  # type: ignore[attr-defined]
+    assert proposer.stale.any()  # type: ignore[attr-defined]
+    assert spec_counts(core)[0] == 0  # the last request to finish had a hole: it never drafted
+    assert token_ids(run_to_completion(core, prompts[:1], greedy(16))) == expected[:1]
+    assert spec_counts(core)[0] > 0  # alone in a reused slot: drafts again

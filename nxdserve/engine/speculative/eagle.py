@@ -36,6 +36,7 @@ from nxdserve.engine.models import LlamaFamilyModel, cpu_kernels
 from nxdserve.engine.models.attention import AttentionMetadata
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.request import Request
 from nxdserve.engine.speculative.base import DraftRows, SpeculativeProposer
 from nxdserve.engine.speculative.config import SpeculativeConfig
 from nxdserve.engine.speculative.eagle_head import EAGLE_CONFIG_KEY, EagleHead
@@ -53,6 +54,11 @@ logger = logging.getLogger(__name__)
 # step costs (docs/speculative.md). Heads with neither key always draft k.
 DEFAULT_MIN_FIRST_DRAFT_CONFIDENCE = 0.05
 DEFAULT_MIN_DRAFT_CONFIDENCE = 0.1
+# Above this many decoding requests, steps that will not draft skip the head's cache update. Keeping the
+# cache costs a head forward over every row's new tokens even when the batch-size rule has drafting off,
+# which at batch 32 on SmolLM2-135M was ~10% of a plain step; requests whose cache misses a step never
+# draft again (their drafts would read a hole), so this trades their later drafts for the large batch.
+SYNC_WHILE_OFF_MAX_BATCH = 16
 
 
 class EagleProposer(SpeculativeProposer):
@@ -95,6 +101,7 @@ class EagleProposer(SpeculativeProposer):
         self.last_pos = np.full(num_slots, -1, dtype=np.int64)
         self.owners: list[str | None] = [None] * num_slots
         self._warned_missing = False
+        self.stale = np.zeros(num_slots, dtype=bool)  # the slot's head cache missed a step: no more drafts
         # The head's attention always runs through the CPU slot-attention kernel when it can (it needs only
         # each token's slot and position), so its metadata is made directly instead of by
         # ``AttentionMetadata.build``, whose masks and row bookkeeping serve SDPA: ~0.1 ms per head call.
@@ -103,12 +110,37 @@ class EagleProposer(SpeculativeProposer):
         self._direct_metadata = self.device.type == "cpu" and cpu_kernels.supports(probe, self.kv_cache.layer(0)[0])
 
     # -- keeping the head's cache in step with the target --------------------------------------------
-    @torch.inference_mode()
-    def sync(self, batch: PersistentBatch, sched: SchedulerOutput, result: StepResult) -> None:
-        plan = sched.plan
+    def _propose(
+        self, requests: list[Request], batch: PersistentBatch, sched: SchedulerOutput, result: StepResult
+    ) -> None:
+        decoding = [r for r in requests if r.slot is not None and r.num_computed_tokens == r.num_tokens - 1]
+        drafting = self.policy.should_draft(len(decoding))
+        if drafting or len(decoding) <= SYNC_WHILE_OFF_MAX_BATCH:
+            self.sync(batch, sched, result)
+        else:  # see SYNC_WHILE_OFF_MAX_BATCH
+            self._reset_reassigned(sched)
+            if sched.plan.num_rows:
+                self.stale[np.asarray(sched.plan.slots, dtype=np.int64)] = True
+        if not drafting:
+            return
+        rows = self.select(decoding)
+        if rows is None:
+            return
+        drafts, lengths = self.draft(rows, batch)
+        for i, request in enumerate(rows.requests):
+            n = int(lengths[i])
+            request.spec_token_ids = drafts[i, :n].tolist() if n > 0 else []
+
+    def _reset_reassigned(self, sched: SchedulerOutput) -> None:
         new = self.reassigned_slots(self.owners, sched)
         self.kv_len[new] = 0
         self.last_pos[new] = -1
+        self.stale[new] = False
+
+    @torch.inference_mode()
+    def sync(self, batch: PersistentBatch, sched: SchedulerOutput, result: StepResult) -> None:
+        plan = sched.plan
+        self._reset_reassigned(sched)
         if plan.num_rows == 0:
             return
         hidden = result.aux.get("token_hidden_states")
@@ -125,7 +157,7 @@ class EagleProposer(SpeculativeProposer):
         n_valid = np.where(np.asarray(plan.sample, dtype=bool), np.where(sampled > 0, lens - drafts + sampled - 1, 0),
                            lens)
         alive = np.fromiter((not r.status.is_finished for r in sched.requests), dtype=bool, count=plan.num_rows)
-        rows = np.flatnonzero(alive & (n_valid > 0))
+        rows = np.flatnonzero(alive & (n_valid > 0) & ~self.stale[np.asarray(plan.slots, dtype=np.int64)])
         if rows.size == 0:
             return
         slots = np.asarray(plan.slots, dtype=np.int64)[rows]
@@ -158,7 +190,8 @@ class EagleProposer(SpeculativeProposer):
     @torch.inference_mode()
     def draft(self, rows: DraftRows, batch: PersistentBatch) -> tuple[np.ndarray, np.ndarray]:
         slots, n, k = rows.slots, rows.num_tokens, rows.k
-        lengths = np.where(self.last_pos[slots] == n - 2, k, 0)  # the head is caught up to token N-1
+        # The head is caught up to token N-1, with no step missing.
+        lengths = np.where((self.last_pos[slots] == n - 2) & ~self.stale[slots], k, 0)
         k_max = int(k.max())
         drafts = np.full((slots.size, k_max), -1, dtype=np.int64)
         active = np.flatnonzero(lengths > 0)
