@@ -135,11 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="chunked prefill mixed with decodes; --no-enable-chunked-prefill: prefill-first",
     )
     s.add_argument("--long-prefill-token-threshold", type=int, default=0, help="max chunk per request (0: none)")
-    s.add_argument(
-        "--prefill-context-cost", type=int, default=None,
-        help="chunked mode: a prefill token at position p counts as 1 + p / N against the step budget "
-        "(default: 1024 on CPU, 0 = plain token count elsewhere)",
-    )  # fmt: skip
     s.add_argument("--max-num-partial-prefills", type=int, default=1, help="concurrent partial prefills")
     s.add_argument(
         "--max-consecutive-prefill-steps",
@@ -180,7 +175,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        prefill_context_cost=args.prefill_context_cost,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_consecutive_prefill_steps=args.max_consecutive_prefill_steps,
         max_waiting=args.max_waiting,

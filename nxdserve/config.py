@@ -20,11 +20,6 @@ DEFAULT_CHUNKED_BATCHED_TOKENS = 512
 # prefill is compute-bound at any chunk size), 8 concurrent 1000-token prompts waited longer (median TTFT
 # 1.7 s -> 6.6 s) while their decodes ran 2x faster. Serving favours steady streams: 96 on CPU.
 DEFAULT_CPU_CHUNKED_BATCHED_TOKENS = 96
-# A prefill token's attention grows with its position while its projections do not: on the 2-core CPU a
-# token at position ~1300 spends as long in attention as in the rest of its forward, so a 72-token chunk
-# of a 1500-token prompt made a step 3.6x a plain decode step. Chunked mode on CPU charges a prefill token
-# at position p as 1 + p / 1024 budget units (0 elsewhere: vLLM's plain token count).
-DEFAULT_CPU_PREFILL_CONTEXT_COST = 1024
 
 
 @dataclass
@@ -41,9 +36,6 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a chunk
-    # Chunked mode: a prefill token at position p counts as 1 + p / this against max_num_batched_tokens.
-    # None: DEFAULT_CPU_PREFILL_CONTEXT_COST for the torch backend on CPU, 0 (plain token count) elsewhere.
-    prefill_context_cost: int | None = None
     max_num_partial_prefills: int = 1
     max_consecutive_prefill_steps: int = 1  # prefill-first anti-starvation
     max_waiting: int | None = None  # None: unbounded queue
@@ -60,11 +52,9 @@ class EngineConfig:
         model_max_positions: int | None,
         backend_max_len: int | None = None,
         chunked_token_budget: int = DEFAULT_CHUNKED_BATCHED_TOKENS,
-        prefill_context_cost: int = 0,
     ) -> EngineConfig:
         """Fill defaults that depend on the model and the backend and check the whole config. Returns self.
-        ``chunked_token_budget`` and ``prefill_context_cost``: the defaults where the engine runs (the loader
-        passes the CPU ones)."""
+        ``chunked_token_budget``: the default step budget in chunked mode (the loader passes the CPU one)."""
         limit = model_max_positions or DEFAULT_MAX_MODEL_LEN
         if backend_max_len is not None:
             limit = min(limit, backend_max_len)
@@ -101,10 +91,6 @@ class EngineConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be non-negative.")
-        if self.prefill_context_cost is None:
-            self.prefill_context_cost = prefill_context_cost
-        if self.prefill_context_cost < 0:
-            raise ConfigError("prefill_context_cost must be non-negative (0 turns it off).")
         if self.max_num_partial_prefills < 1:
             raise ConfigError("max_num_partial_prefills must be at least 1.")
         if self.max_consecutive_prefill_steps < 1:

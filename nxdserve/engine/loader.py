@@ -8,12 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nxdserve.config import (
-    DEFAULT_CHUNKED_BATCHED_TOKENS,
-    DEFAULT_CPU_CHUNKED_BATCHED_TOKENS,
-    DEFAULT_CPU_PREFILL_CONTEXT_COST,
-    EngineConfig,
-)
+from nxdserve.config import DEFAULT_CHUNKED_BATCHED_TOKENS, DEFAULT_CPU_CHUNKED_BATCHED_TOKENS, EngineConfig
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -66,25 +61,17 @@ def max_positions(hf_config: Any) -> int | None:
     return int(value) if value else None
 
 
-def _torch_on_cpu(config: EngineConfig) -> bool:
+def default_chunked_budget(config: EngineConfig) -> int:
+    """The chunked-mode step budget when none is given: smaller where the torch backend runs on a CPU."""
     import torch
 
     from nxdserve.engine.backends import nxd_status
 
     if config.backend == "nxd" or (config.backend == "auto" and nxd_status()[0]):
-        return False
-    return not (config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()))
-
-
-def default_chunked_budget(config: EngineConfig) -> int:
-    """The chunked-mode step budget when none is given: smaller where the torch backend runs on a CPU."""
-    return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS if _torch_on_cpu(config) else DEFAULT_CHUNKED_BATCHED_TOKENS
-
-
-def default_prefill_context_cost(config: EngineConfig) -> int:
-    """Chunked mode's per-position charge for prefill tokens when none is given: on where attention runs on
-    a CPU (see config.DEFAULT_CPU_PREFILL_CONTEXT_COST), off elsewhere."""
-    return DEFAULT_CPU_PREFILL_CONTEXT_COST if _torch_on_cpu(config) else 0
+        return DEFAULT_CHUNKED_BATCHED_TOKENS
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return DEFAULT_CHUNKED_BATCHED_TOKENS
+    return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
 
 
 def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[Any, ModelFiles]:
@@ -94,11 +81,7 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
     from nxdserve.engine.metrics import EngineMetrics
 
     files = load_model_files(config)
-    config.resolve(
-        max_positions(files.hf_config),
-        chunked_token_budget=default_chunked_budget(config),
-        prefill_context_cost=default_prefill_context_cost(config),
-    )
+    config.resolve(max_positions(files.hf_config), chunked_token_budget=default_chunked_budget(config))
     backend = create_backend(config, files.path)
     extra = set(files.generation_eos_ids)
     name = config.served_model_name[0] if config.served_model_name else (config.model or files.path.name)

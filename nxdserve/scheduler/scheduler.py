@@ -10,9 +10,6 @@ differ in how a step may mix them:
 - chunked: a prompt may be split to fit the budget left after the running requests, so a step
   mixes decodes with prefill chunks; at most ``max_num_partial_prefills`` prompts are mid-prefill
   at once (enforced, unlike vLLM), and ``long_prefill_token_threshold`` caps one request's chunk.
-  With ``prefill_context_cost`` C (on by default on CPU; unlike vLLM), a prefill token at position p
-  costs 1 + p / C of the budget: late chunks of long prompts, whose attention grows with p, get fewer
-  tokens, so a step that carries one stays close to a plain decode step.
 - prefill-first: prompts are never split and a step is all-prefill or all-decode; a prefill step
   runs when a slot is free and the head prompt fits, but never more than
   ``max_consecutive_prefill_steps`` in a row while decodes wait (anti-starvation).
@@ -24,7 +21,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -80,7 +76,6 @@ class Scheduler:
                 "rows in one forward: scheduling prefill-first (token budget %d)", self.token_budget
             )
         self.long_prefill_threshold = config.long_prefill_token_threshold
-        self.context_cost = config.prefill_context_cost or 0
         self.max_partial_prefills = config.max_num_partial_prefills
         self.max_consecutive_prefills = config.max_consecutive_prefill_steps
         self.max_prefills_per_step = caps.max_prefills_per_step
@@ -148,28 +143,7 @@ class Scheduler:
         if 0 < self.long_prefill_threshold < num_new:
             num_new = self.long_prefill_threshold
         # The token at max_model_len - 1 is never fed back, so no position at or past it gets KV.
-        num_new = max(0, min(num_new, budget, self.max_model_len - 1 - request.num_computed_tokens))
-        if num_new > 1 and self.context_cost and request.num_computed_tokens < request.num_prompt_tokens:
-            num_new = min(num_new, self._affordable(request.num_computed_tokens, budget))
-        return num_new
-
-    def _charge(self, request: Request, num_new: int) -> int:
-        """Budget units for running ``num_new`` tokens of ``request`` from its computed position: one per
-        token, plus, for prefill in chunked mode with ``prefill_context_cost`` C, (position / C) per token."""
-        start = request.num_computed_tokens
-        if not self.context_cost or start >= request.num_prompt_tokens:
-            return num_new
-        return num_new + math.ceil(num_new * (start + (num_new - 1) / 2) / self.context_cost)
-
-    def _affordable(self, start: int, budget: int) -> int:
-        """The most prefill tokens from position ``start`` whose charge fits ``budget`` (at least one, so a
-        prompt always progresses): n + n * (start + (n - 1) / 2) / C <= budget, solved for n."""
-        c = self.context_cost
-        b = 1 + (start - 0.5) / c
-        n = int((-b + math.sqrt(b * b + 2 * budget / c)) * c)
-        while n > 1 and n + math.ceil(n * (start + (n - 1) / 2) / c) > budget:
-            n -= 1
-        return max(1, n)
+        return max(0, min(num_new, budget, self.max_model_len - 1 - request.num_computed_tokens))
 
     def schedule(self) -> SchedulerOutput:
         rows: list[tuple[Request, int]] = []
@@ -187,7 +161,7 @@ class Scheduler:
             if num_new == 0:
                 continue  # like vLLM: skip, don't stop, so others still run
             rows.append((request, num_new))
-            budget -= self._charge(request, num_new)
+            budget -= num_new
         return budget
 
     def _schedule_chunked(self, rows: list[tuple[Request, int]]) -> None:
@@ -212,7 +186,7 @@ class Scheduler:
                 break
             self._admit(request)
             rows.append((request, num_new))
-            budget -= self._charge(request, num_new)
+            budget -= num_new
             partial += stays_partial
         self.waiting.extendleft(reversed(skipped))
 

@@ -239,37 +239,3 @@ def test_eos_stops_without_stop_reason() -> None:
     h.step()
     h.step()
     assert a.output_token_ids == [998, 999] and a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason is None
-
-
-def test_prefill_context_cost_shrinks_late_chunks_of_long_prompts() -> None:
-    h = Harness(chunked=True, budget=32, max_model_len=512, max_num_seqs=2)
-    h.scheduler.context_cost = 64
-    h.add("L", 300, max_tokens=1)
-    chunks = []
-    while h.requests["L"].num_computed_tokens < 300:
-        chunks.append(h.step().scheduled["L"])
-    assert sum(chunks) == 300
-    # Each chunk's charge n + ceil(n * (start + (n - 1) / 2) / 64) fits the budget of 32 and is the largest
-    # that fits (the last chunk is whatever remained).
-    start = 0
-    for n in chunks[:-1]:
-        charge = n + -(-n * (2 * start + n - 1) // (2 * 64))
-        bigger = n + 1 + -(-(n + 1) * (2 * start + n) // (2 * 64))
-        assert charge <= 32 < bigger, (start, n)
-        start += n
-    assert chunks[0] > chunks[-2] >= 1  # later chunks are shorter
-    # With the charge off (vLLM's rule), a chunk is the whole budget.
-    plain = Harness(chunked=True, budget=32, max_model_len=512, max_num_seqs=2)
-    plain.add("L", 300, max_tokens=1)
-    assert plain.step().scheduled["L"] == 32
-
-
-def test_prefill_context_cost_still_moves_a_prompt_when_decodes_take_the_budget() -> None:
-    h = Harness(chunked=True, budget=4, max_model_len=512, max_num_seqs=4)
-    h.scheduler.context_cost = 8
-    for rid in ("A", "B", "C"):
-        h.add(rid, 1, max_tokens=50)
-    h.step()  # the three one-token prompts
-    h.add("L", 100, max_tokens=1)
-    got = h.step()
-    assert got.scheduled == {"A": 1, "B": 1, "C": 1, "L": 1}  # one unit left: one token, though it costs more

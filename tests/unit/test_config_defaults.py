@@ -35,19 +35,3 @@ def test_chunked_budget_never_below_max_num_seqs_and_explicit_value_wins() -> No
     assert config.max_num_batched_tokens == 300
     config = EngineConfig(enable_chunked_prefill=False).resolve(2048, chunked_token_budget=96)
     assert config.max_num_batched_tokens == 2048  # prefill-first: a whole prompt fits one step
-
-
-def test_prefill_context_cost_is_on_for_cpu_only_and_an_explicit_value_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nxdserve.config import DEFAULT_CPU_PREFILL_CONTEXT_COST
-    from nxdserve.engine.loader import default_prefill_context_cost
-
-    monkeypatch.setattr(backends, "nxd_status", lambda: (False, "not here"))
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    assert default_prefill_context_cost(EngineConfig()) == DEFAULT_CPU_PREFILL_CONTEXT_COST > 0
-    assert default_prefill_context_cost(EngineConfig(backend="nxd")) == 0
-    assert default_prefill_context_cost(EngineConfig(device="cuda")) == 0
-    config = EngineConfig().resolve(2048, prefill_context_cost=DEFAULT_CPU_PREFILL_CONTEXT_COST)
-    assert config.prefill_context_cost == DEFAULT_CPU_PREFILL_CONTEXT_COST
-    config = EngineConfig(prefill_context_cost=0).resolve(2048, prefill_context_cost=DEFAULT_CPU_PREFILL_CONTEXT_COST)
-    assert config.prefill_context_cost == 0  # turned off: vLLM's plain token budget
-    assert EngineConfig().resolve(2048).prefill_context_cost == 0
