@@ -1,4 +1,4 @@
-"""``linear(x, weight, bias)``: ``F.linear`` with the weight prepacked for oneDNN on CPU.
+"""``linear(x, weight, bias, residual)``: ``F.linear`` (+ residual) through a packed weight on CPU.
 
 ``F.linear`` on a CPU bf16 weight runs oneDNN's brgemm matmul on the plain (out, in) layout, which
 makes oneDNN reorder the weight into its blocked VNNI layout inside every call. For a decode step that
