@@ -96,28 +96,46 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
         float mx = sg[0];                                                                              \
         for (int64_t j = 1; j < n; j++) mx = fmaxf(mx, sg[j]);                                         \
         float sum = 0.f;                                                                               \
-        for (int64_t j = 0; j < n; j++) { float e = expf(sg[j] - mx); sg[j] = e; sum += e; }           \
+        /* p rounded to bf16 (p . v runs on bf16 pairs, as bf16 flash attention does); the sum is of the   \
+           rounded weights, so they still sum to one. */                                               \
+        for (int64_t j = 0; j < n; j++) { float e = R_bf16(expf(sg[j] - mx)); sg[j] = e; sum += e; }   \
         inv[g] = 1.f / sum;                                                                            \
     }                                                                                                  \
+    /* p . v two keys at a time: their V rows interleaved into bf16 pairs, (p_j, p_j+1) broadcast, so  \
+       one vdpbf16ps does two keys for 16 dims. Accumulator lane 4q + r of vector c holds dim          \
+       32 * (c / 2) + 8q + 4 * (c % 2) + r (unpack works within 128-bit lanes); undone at the end. */ \
     __m512 acc[GG][4];                                                                                 \
     for (int g = 0; g < GG; g++)                                                                       \
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();                                   \
-    for (int64_t j = 0; j < n; j++) {                                                                  \
-        const uint16_t* vr = vb + j * 64;                                                              \
-        __builtin_prefetch(vr + 16 * 64);                                                              \
-        __builtin_prefetch((const char*)(vr + 16 * 64) + 64);                                          \
-        __m512 v[4];                                                                                   \
-        for (int c = 0; c < 4; c++) v[c] = gm_widen(_mm256_loadu_si256((const __m256i*)(vr + 16 * c))); \
+    for (int64_t j = 0; j < n; j += 2) {                                                               \
+        const uint16_t* v0 = vb + j * 64;                                                              \
+        __builtin_prefetch(v0 + 16 * 64);                                                              \
+        __builtin_prefetch((const char*)(v0 + 16 * 64) + 64);                                          \
+        int two = j + 1 < n;                                                                           \
+        __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);                         \
+        __m512i b0 = two ? _mm512_loadu_si512(v0 + 64) : _mm512_setzero_si512();                       \
+        __m512i b1 = two ? _mm512_loadu_si512(v0 + 96) : _mm512_setzero_si512();                       \
+        __m512bh i[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0), \
+                         (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)}; \
         for (int g = 0; g < GG; g++) {                                                                 \
-            __m512 w = _mm512_set1_ps(sc[g * n + j]);                                                  \
-            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);               \
+            uint32_t pj, pk = 0;                                                                       \
+            memcpy(&pj, sc + g * n + j, 4);                                                            \
+            if (two) memcpy(&pk, sc + g * n + j + 1, 4);                                               \
+            __m512bh pp = (__m512bh)_mm512_set1_epi32((int32_t)((pj >> 16) | (pk & 0xffff0000u)));     \
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pp, i[c]);             \
         }                                                                                              \
     }                                                                                                  \
-    for (int g = 0; g < GG; g++)                                                                       \
-        for (int c = 0; c < 4; c++) {                                                                  \
-            __m256i h = gm_round(_mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));                    \
-            _mm256_storeu_si256((__m256i*)(o + g * 64 + 16 * c), h);                                   \
-        }                                                                                              \
+    const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);       \
+    const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8); \
+    for (int g = 0; g < GG; g++) {                                                                     \
+        __m512 scale_g = _mm512_set1_ps(inv[g]);                                                       \
+        __m512 d[4] = {_mm512_permutex2var_ps(acc[g][0], lo, acc[g][1]),                               \
+                       _mm512_permutex2var_ps(acc[g][0], hi, acc[g][1]),                               \
+                       _mm512_permutex2var_ps(acc[g][2], lo, acc[g][3]),                               \
+                       _mm512_permutex2var_ps(acc[g][2], hi, acc[g][3])};                              \
+        for (int c = 0; c < 4; c++)                                                                    \
+            _mm256_storeu_si256((__m256i*)(o + g * 64 + 16 * c), gm_round(_mm512_mul_ps(d[c], scale_g))); \
+    }                                                                                                  \
 }
 DF_ITEM64(1) DF_ITEM64(2) DF_ITEM64(3) DF_ITEM64(4)
 
