@@ -38,8 +38,10 @@ def test_drops_to_one_thread_when_steps_mostly_wait_and_returns_when_a_core_is_i
     gov.record(0.100, 0.020)  # one slow step alone does not switch
     assert gov.step_threads() == 2
     gov.record(0.020, 0.019)
-    gov.record(0.100, 0.020)
-    gov.record(0.300, 0.020)  # two in a row: contention
+    for _ in range(gov.bad_steps_to_switch - 1):
+        gov.record(0.100, 0.020)
+    assert gov.step_threads() == 2  # one short of the run it needs
+    gov.record(0.300, 0.020)  # bad_steps_to_switch in a row: contention
     assert gov.step_threads() == 1
 
     # While busy (no idle core), it stays on one thread.
@@ -57,8 +59,8 @@ def test_drops_to_one_thread_when_steps_mostly_wait_and_returns_when_a_core_is_i
 def test_failed_probes_back_off() -> None:
     fake = Fake()
     gov = governor(fake)
-    gov.record(0.1, 0.01)
-    gov.record(0.1, 0.01)
+    for _ in range(gov.bad_steps_to_switch):
+        gov.record(0.1, 0.01)
     assert gov.threads == 1
     waits = []
     for _ in range(4):
@@ -66,8 +68,8 @@ def test_failed_probes_back_off() -> None:
         while gov.step_threads() == 1:
             fake.advance(0.25, idle_cores=1.0)
         waits.append(fake.now - start)
-        gov.record(0.1, 0.01)  # the probe fails at once
-        gov.record(0.1, 0.01)
+        for _ in range(gov.bad_steps_to_switch):
+            gov.record(0.1, 0.01)  # the probe fails at once
         assert gov.threads == 1
     assert waits[-1] > waits[0]
 

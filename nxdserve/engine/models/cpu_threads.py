@@ -9,7 +9,7 @@ the governor watches each step:
 
 - with all threads, the calling thread does its share and then sleeps (passive wait) until the others
   finish; if it spent most of a step waiting (its CPU time < ``min_efficiency`` of the step's wall
-  time) in two steps running, another process has a core: drop to one thread;
+  time) in ``bad_steps_to_switch`` (4) steps running, another process has a core: drop to one thread;
 - with one thread, look at the machine's idle time (``/proc/stat``) every ``probe_interval`` seconds
   (after a back-off that doubles, up to ``max_backoff``, while probes keep failing): when about a core
   has been idle, go back to all threads.
@@ -44,6 +44,7 @@ class ThreadGovernor:
         max_threads: int,
         *,
         min_efficiency: float = 0.6,
+        bad_steps_to_switch: int = 4,
         min_wall_s: float = 0.004,
         probe_interval_s: float = 0.5,
         idle_cores_to_probe: float = 0.6,
@@ -54,6 +55,10 @@ class ThreadGovernor:
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
         self.min_efficiency = min_efficiency
+        # Real contention (another job on a core) makes every step 5-30x slower, so four in a row come at
+        # once; two were also met by the load generator's bursts on the same two cores, and one thread then
+        # cost a benchmark ~10% of its throughput.
+        self.bad_steps_to_switch = bad_steps_to_switch
         self.min_wall_s = min_wall_s
         self.probe_interval_s = probe_interval_s
         self.idle_cores_to_probe = idle_cores_to_probe
@@ -91,7 +96,7 @@ class ThreadGovernor:
             return
         if thread_cpu_s < self.min_efficiency * wall_s:
             self._bad_steps += 1
-            if self._bad_steps >= 2:
+            if self._bad_steps >= self.bad_steps_to_switch:
                 now = self._clock()
                 # A probe that failed quickly: wait longer before the next; a long good run resets it.
                 quick = now - self._mode_since < 4 * self.max_backoff_s
