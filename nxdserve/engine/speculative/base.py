@@ -85,6 +85,10 @@ class SpeculativeProposer(abc.ABC):
         decoding = [r for r in requests if r.slot is not None and r.num_computed_tokens == r.num_tokens - 1]
         if not self.policy.should_draft(len(decoding)):
             return
+        self.draft_into(decoding, batch)
+
+    def draft_into(self, decoding: list[Request], batch: PersistentBatch) -> None:
+        """Draft for the decoding requests this proposer selects and set their ``spec_token_ids``."""
         rows = self.select(decoding)
         if rows is None:
             return

@@ -121,15 +121,8 @@ class EagleProposer(SpeculativeProposer):
             self._reset_reassigned(sched)
             if sched.plan.num_rows:
                 self.stale[np.asarray(sched.plan.slots, dtype=np.int64)] = True
-        if not drafting:
-            return
-        rows = self.select(decoding)
-        if rows is None:
-            return
-        drafts, lengths = self.draft(rows, batch)
-        for i, request in enumerate(rows.requests):
-            n = int(lengths[i])
-            request.spec_token_ids = drafts[i, :n].tolist() if n > 0 else []
+        if drafting:
+            self.draft_into(decoding, batch)
 
     def _reset_reassigned(self, sched: SchedulerOutput) -> None:
         new = self.reassigned_slots(self.owners, sched)
