@@ -97,3 +97,13 @@ def test_gemm_declines_what_it_does_not_cover() -> None:
     assert gemm.matmul(x, trained) is None  # requires grad: autograd must see the op
     y = linear(x, trained, b)
     assert y.requires_grad
+
+
+def test_linear_without_the_gemm_takes_onednn_and_still_adds_the_residual(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm, "enabled", False)  # as on a CPU without AVX512-BF16
+    x, w, b, r = _data(6, 40, 32, seed=7)
+    with torch.inference_mode():
+        plain = linear(x, w, b)
+        fused = linear(x, w, b, residual=r)
+    assert torch.equal(plain, F.linear(x, w, b))
+    assert torch.equal(fused, F.linear(x, w, b) + r)
