@@ -15,6 +15,18 @@ from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
 from tests.helpers.tiny_model import tiny_model_path
 
 
+def _assert_served_losslessly(model: str, head: Path, num_speculative_tokens: int, num_prompts: int) -> None:
+    """Greedy output with the head drafting equals greedy output without speculation."""
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": num_speculative_tokens,
+            "disable_by_batch_size": 64}
+    plain = make_core(model=model, max_model_len=128)
+    core = make_core(model=model, max_model_len=128, speculative_config=spec)
+    prompts = tokenize(plain, PROMPTS[:num_prompts])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in run_to_completion(plain, prompts, params)]
+    assert [o.outputs[0].token_ids for o in run_to_completion(core, prompts, params)] == expected
+
+
 @pytest.mark.parametrize("nxd_layout", [False, True])
 def test_train_eagle_cli_then_serve(tmp_path: Path, nxd_layout: bool, capsys: pytest.CaptureFixture[str]) -> None:
     model = str(tiny_model_path("llama"))
@@ -33,14 +45,7 @@ def test_train_eagle_cli_then_serve(tmp_path: Path, nxd_layout: bool, capsys: py
         names = set(f.keys())
     assert ("lm_head.weight" in names) == nxd_layout and ("draft_vocab_ids" in names) != nxd_layout
 
-    spec = {"method": "eagle", "model": str(out), "num_speculative_tokens": 3, "disable_by_batch_size": 64}
-    plain = make_core(model=model, max_model_len=128)
-    core = make_core(model=model, max_model_len=128, speculative_config=spec)
-    prompts = tokenize(plain, PROMPTS[:6])
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in run_to_completion(plain, prompts, params)]
-    got = [o.outputs[0].token_ids for o in run_to_completion(core, prompts, params)]
-    assert got == expected
+    _assert_served_losslessly(model, out, num_speculative_tokens=3, num_prompts=6)
 
 
 def test_bad_arguments_exit_with_usage() -> None:
@@ -73,13 +78,7 @@ def test_retune_rewrites_the_vocabulary_and_bars_of_an_existing_head(tmp_path: P
     assert report["retuned"] is True and report["final_train"] == {}
     assert json.loads((out / "train_report.json").read_text())["retuned"] is False  # the training's own report
 
-    spec = {"method": "eagle", "model": str(out), "num_speculative_tokens": 2, "disable_by_batch_size": 64}
-    plain = make_core(model=model, max_model_len=128)
-    core = make_core(model=model, max_model_len=128, speculative_config=spec)
-    prompts = tokenize(plain, PROMPTS[:4])
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in run_to_completion(plain, prompts, params)]
-    assert [o.outputs[0].token_ids for o in run_to_completion(core, prompts, params)] == expected
+    _assert_served_losslessly(model, out, num_speculative_tokens=2, num_prompts=4)
 
 
 def test_retune_without_a_head_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
