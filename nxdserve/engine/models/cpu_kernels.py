@@ -336,6 +336,14 @@ def available() -> bool:
     return enabled and _library() is not None
 
 
+@functools.cache
+def built(probe: str) -> bool:
+    """Whether the library has an optional part, asked once: ``probe`` names its C availability function
+    (``gemm_available``, ``decode_forward_available``); those parts exist only for AVX512-BF16 targets."""
+    lib = _library()
+    return lib is not None and bool(getattr(lib, probe)())
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel can run this attention (CPU, bf16/fp32, contiguous cache, no autograd)."""
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype:

@@ -9,7 +9,6 @@ Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M): see ``benchmarks/perf_note
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -29,15 +28,8 @@ MAX_TOKENS = 128
 enabled = os.environ.get("NXDSERVE_FUSED_DECODE", "1") != "0"
 
 
-@functools.cache
-def _built() -> bool:
-    """Whether the kernel library has the fused forward (AVX512-BF16 targets only); asked once."""
-    lib = cpu_kernels._library()
-    return lib is not None and bool(lib.decode_forward_available())
-
-
 def available() -> bool:
-    return enabled and cpu_kernels.available() and _built()
+    return enabled and cpu_kernels.available() and cpu_kernels.built("decode_forward_available")
 
 
 class FusedDecode:

@@ -7,7 +7,6 @@ build, another dtype or device, autograd, non-contiguous rows); ``linear`` then 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -21,14 +20,8 @@ _ATTR = "_nxdserve_panels"
 enabled = os.environ.get("NXDSERVE_GEMM", "1") != "0"
 
 
-@functools.cache
-def _built() -> bool:
-    lib = cpu_kernels._library()
-    return lib is not None and bool(lib.gemm_available())
-
-
 def available() -> bool:
-    return enabled and cpu_kernels.available() and _built()
+    return enabled and cpu_kernels.available() and cpu_kernels.built("gemm_available")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -60,6 +53,7 @@ def matmul(
         or not weight.is_contiguous()
         or weight.shape[1] != x.shape[1]
         or weight.requires_grad
+        or weight.is_inference()  # no version counter to key the packed copy on
         or x.requires_grad
         or x.shape[0] == 0
         or (bias is not None and not (_rows(bias[None]) and bias.is_contiguous()))
