@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nxdserve.engine.models import fused_decode
+from nxdserve.engine.models import cpu_kernels, fused_decode
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from tests.helpers.tiny_model import _llama, single_torch_thread, tiny_model_path
@@ -128,6 +128,27 @@ def test_fused_forward_is_as_close_to_fp32_as_the_layer_path(
         assert fused_err <= 2 * layer_err + 0.02 * scale, (fused_err, layer_err, scale)
         assert (fused - layer).abs().max().item() <= 0.1 * scale
     assert (fused_logits.argmax(-1) == layer_logits.argmax(-1)).float().mean().item() >= 0.6
+
+
+@needs_fused
+@pytest.mark.parametrize("family", ["d64-g3"])
+def test_block_attention_agrees_with_single_token_items(
+    family: str, custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of tokens in one row (the prefill chunk, the verification rows) attend as blocks that share
+    each key read; with blocks turned off every token is its own item. Only fp32 summation order differs."""
+    path = custom_model_paths[family] if family in CUSTOM_CONFIGS else tiny_model_path(family)
+    lib = cpu_kernels._library()
+    assert lib is not None
+    lib.decode_forward_set_block_min(10**9)
+    try:
+        items = _step(path, True, torch.bfloat16, monkeypatch)
+    finally:
+        lib.decode_forward_set_block_min(2)
+    blocks = _step(path, True, torch.bfloat16, monkeypatch)
+    for block_out, item_out in zip(blocks, items, strict=True):
+        scale = item_out.abs().max().item()
+        assert (block_out - item_out).abs().max().item() <= 0.02 * scale
 
 
 @needs_fused

@@ -318,6 +318,10 @@ def _library() -> ctypes.CDLL | None:
         if lib.decode_forward_available():  # built only where the compiler targets AVX512-BF16
             lib.decode_forward_bf16.argtypes = _DECODE_FORWARD_SIGNATURE
             lib.decode_forward_bf16.restype = None
+            lib.decode_forward_scratch.argtypes = [_i64, _i64]
+            lib.decode_forward_scratch.restype = _i64
+            lib.decode_forward_set_block_min.argtypes = [_i64]
+            lib.decode_forward_set_block_min.restype = None
         lib.gemm_available.restype = _int
         if lib.gemm_available():
             # x, M, K, x row stride, packed w, bias, residual, residual row stride, N, out, out row stride, threads

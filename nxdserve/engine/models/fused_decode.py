@@ -114,7 +114,8 @@ class FusedDecode:
         threads = torch.get_num_threads()
         qkv = s.q_size + 2 * s.kv_size
         work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size), torch.bfloat16)
-        scratch = self._buffer(1, threads * (s.num_heads // s.num_kv_heads) * meta.max_end, torch.float32)
+        per_thread = lib.decode_forward_scratch(s.num_heads // s.num_kv_heads, meta.max_end)
+        scratch = self._buffer(1, threads * per_thread, torch.float32)
         k_cache, _ = kv_cache.layer(0)
         lib.decode_forward_bf16(
             x.data_ptr(), t, table, windows, len(model.layers), model.norm.weight.data_ptr(), model.norm.eps,
