@@ -4,7 +4,7 @@ Phase 1 (hold): 256 concurrent streaming clients; every one must succeed (those 
 max_num_seqs wait in the queue: the script samples /metrics to show it). Phase 2 (measure): 32
 concurrent streaming requests, reported with `vllm bench serve`'s definitions:
 
-- TTFT: request start -> first chunk with text; ITL: every gap between later chunks, pooled;
+- TTFT: request start -> first chunk with a token (text or not); ITL: every gap between later chunks, pooled;
 - TPOT: (latency - ttft) / (output_tokens - 1), requests with more than one output token only;
 - E2EL: request latency; throughputs: completed / duration, output tokens / duration,
   (prompt + output tokens) / duration, with token counts from the server's usage chunk.
@@ -82,7 +82,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"] and chunk["choices"][0]["text"]:
+                if chunk["choices"]:  # a token, even with its text held back (as vllm bench serve counts)
                     now = time.perf_counter()
                     if res.ttft == 0.0:
                         res.ttft = now - start

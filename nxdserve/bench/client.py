@@ -31,9 +31,9 @@ class RequestRecord:
     expected_output_len: int
     group: str = ""
     start_time: float = 0.0  # perf_counter when the request was sent
-    ttft: float | None = None  # None until the first text chunk arrives (callers may watch it live)
+    ttft: float | None = None  # None until the first token's chunk arrives (callers may watch it live)
     itl: list[float] = field(default_factory=list)
-    chunk_times: list[float] = field(default_factory=list)  # perf_counter of every text chunk
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of every token chunk
     latency: float = 0.0
     generated_text: str = ""
     output_tokens: int | None = None  # from the server's usage, when it reports one
@@ -84,6 +84,17 @@ def build_payload(endpoint: Endpoint, model: str, req: SampleRequest, sampling: 
         payload["ignore_eos"] = True
     payload.update(sampling.extra_body)
     return payload
+
+
+def _carries_tokens(endpoint: Endpoint, choices: list[dict[str, Any]]) -> bool:
+    """Whether a chunk marks generated tokens, as ``vllm bench serve`` counts them: any chunk with choices,
+    even with empty text (a server sends one for tokens whose text it holds back, such as the first half of
+    a UTF-8 character), except a chat chunk that only announces the assistant's role."""
+    if not choices:
+        return False
+    if endpoint == "/v1/chat/completions":
+        return any(not (choice.get("delta") or {}).get("role") or _chunk_text(endpoint, [choice]) for choice in choices)
+    return True
 
 
 def _chunk_text(endpoint: Endpoint, choices: list[dict[str, Any]]) -> str:
@@ -176,15 +187,15 @@ class BenchClient:
                         if "error" in obj and not obj.get("choices"):
                             rec.error = _error_message(obj)
                             continue
-                        text = _chunk_text(self.endpoint, obj.get("choices") or [])
-                        if text:
+                        choices = obj.get("choices") or []
+                        if _carries_tokens(self.endpoint, choices):
                             if rec.ttft is None:
                                 rec.ttft = now - rec.start_time
                             else:
                                 rec.itl.append(now - last)
                             last = now
                             rec.chunk_times.append(now)
-                            rec.generated_text += text
+                            rec.generated_text += _chunk_text(self.endpoint, choices)
                         usage = obj.get("usage")
                         if isinstance(usage, dict):
                             rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)

@@ -166,7 +166,7 @@ def _client(body: bytes, status: int = 200, endpoint: Endpoint = "/v1/completion
 async def test_completion_stream_timing_and_usage() -> None:
     body = _sse(
         [
-            {"choices": [{"index": 0, "text": ""}]},  # empty chunk: not a token
+            {"choices": [{"index": 0, "text": ""}]},  # a token whose text is held back: still a token
             {"choices": [{"index": 0, "text": "Hel"}]},
             {"choices": [{"index": 0, "text": "lo"}]},
             {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]},
@@ -180,7 +180,8 @@ async def test_completion_stream_timing_and_usage() -> None:
     assert r.generated_text == "Hello!"
     assert r.output_tokens == 3 and r.server_prompt_tokens == 5
     assert r.ttft is not None and 0 <= r.ttft <= r.latency
-    assert len(r.itl) == 2 and len(r.chunk_times) == 3
+    # As vllm bench serve counts them: every chunk with choices, the final usage chunk (no choices) not.
+    assert len(r.itl) == 3 and len(r.chunk_times) == 4
     assert r.chunk_times[0] == pytest.approx(r.start_time + r.ttft)
 
 
