@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=_size,
         default=None,
-        help="tokens per step (default: chunked 512, 96 for the torch backend on CPU; prefill-first max_model_len)",
+        help="tokens per step (default: chunked 512, 128 for the torch backend on CPU; prefill-first max_model_len)",
     )
     s.add_argument(
         "--enable-chunked-prefill",
