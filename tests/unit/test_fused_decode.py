@@ -152,6 +152,36 @@ def test_block_attention_agrees_with_single_token_items(
 
 
 @needs_fused
+def test_whole_long_prompt_runs_fused_as_close_to_fp32_as_the_layer_path(
+    custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 300-token prompt in one forward (prefill-first mode admits whole prompts) takes the fused path:
+    38 blocks of up to 8 tokens over up to 300 keys, where the layer path uses SDPA."""
+    path, length, max_len = custom_model_paths["d64-g3"], 300, 320
+    tokens = torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(11))
+    logits = {}
+    for name, dtype, fused in (("ref", torch.float32, False), ("layer", torch.bfloat16, False),
+                               ("fused", torch.bfloat16, True)):
+        monkeypatch.setattr(fused_decode, "enabled", fused)
+        model = LlamaFamilyModel.from_pretrained(path, dtype, torch.device("cpu"), max_len=max_len)
+        tokens = tokens % model.vocab_size
+        groups = model.spec.num_heads // model.spec.num_kv_heads
+        meta = AttentionMetadata.build(
+            np.array([1]), np.array([0]), np.array([length]), num_query_groups=groups,
+            windows=model.windows, max_len=max_len, device=torch.device("cpu"), dtype=model.dtype,
+        )  # fmt: skip
+        cache = model.new_kv_cache(2, max_len)
+        with single_torch_thread(), torch.inference_mode():
+            assert model.fused_decode.accepts(tokens, meta, cache) == fused
+            logits[name] = model.compute_logits(model(tokens, meta, cache)).float()
+    scale = logits["ref"].abs().max().item()
+    fused_err = (logits["fused"] - logits["ref"]).abs().max().item()
+    layer_err = (logits["layer"] - logits["ref"]).abs().max().item()
+    assert fused_err <= 2 * layer_err + 0.02 * scale, (fused_err, layer_err, scale)
+    assert (logits["fused"].argmax(-1) == logits["layer"].argmax(-1)).float().mean().item() >= 0.6
+
+
+@needs_fused
 def test_fused_forward_is_not_used_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_decode, "enabled", True)
     bf16 = LlamaFamilyModel.from_pretrained(tiny_model_path("llama"), torch.bfloat16, torch.device("cpu"), MAX_LEN)
