@@ -27,6 +27,7 @@ def make_proposer(
     first: float | None = None,
     chain: float | None = None,
     dtype: torch.dtype = torch.float32,
+    target_dtype: torch.dtype | None = None,
 ) -> EagleProposer:
     reference = make_head(seed=5, input_norm=True)
     head = EagleHead(reference.config, dtype, torch.device("cpu"), MAX_LEN)
@@ -42,8 +43,8 @@ def make_proposer(
     target = SimpleNamespace(
         spec=SimpleNamespace(hidden_size=HIDDEN),
         device=torch.device("cpu"),
-        embed_weight=torch.randn(VOCAB, HIDDEN, generator=g).to(dtype),
-        lm_head_weight=torch.randn(VOCAB, HIDDEN, generator=g).to(dtype),
+        embed_weight=torch.randn(VOCAB, HIDDEN, generator=g).to(target_dtype or dtype),
+        lm_head_weight=torch.randn(VOCAB, HIDDEN, generator=g).to(target_dtype or dtype),
     )
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=k, model="unused")
     return EagleProposer(spec, MAX_LEN, SLOTS, head, target)  # type: ignore[arg-type]
@@ -74,6 +75,30 @@ def test_direct_metadata_gives_what_the_built_metadata_gives(dtype: torch.dtype)
             b = built._run(tokens, feats, *args)
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(direct.kv_cache.data, built.kv_cache.data, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("vocab_ids", [None, [41, 7, 90, 3]])
+def test_head_in_its_own_dtype_drafts_beside_a_bf16_target(vocab_ids: list[int] | None) -> None:
+    """draft_dtype float32 beside a bf16 target: the head runs on the target's bf16 features and scores
+    with an fp32 copy of the LM head (mixing the two dtypes in one matmul raised on every step)."""
+    proposer = make_proposer(
+        dtype=torch.float32, target_dtype=torch.bfloat16, vocab_ids=vocab_ids, first=0.0, chain=0.0
+    )
+    assert proposer.lm_weight.dtype == torch.float32
+    g = torch.Generator().manual_seed(8)
+    slots, starts, lens = (np.array([1]), np.array([0]), np.array([6]))
+    with torch.inference_mode():
+        feats = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16).to(proposer.head.dtype)
+        out = proposer._run(torch.randint(0, VOCAB, (6,), generator=g), feats, slots, starts, lens)
+        proposer.last_hidden[1] = out[-1]
+        proposer.last_pos[1] = 5
+        drafts, lengths = proposer.draft(
+            DraftRows(requests=[None], slots=slots, num_tokens=np.array([7]), k=np.array([3])), None  # type: ignore[list-item, arg-type]
+        )
+    assert lengths.tolist() == [3]
+    assert all(0 <= t < VOCAB for t in drafts[0].tolist())
+    if vocab_ids is not None:
+        assert set(drafts[0].tolist()) <= set(vocab_ids)
 
 
 def test_truncated_vocabulary_maps_drafts_back_to_target_ids() -> None:

@@ -89,6 +89,10 @@ class EagleProposer(SpeculativeProposer):
         else:
             self.vocab_ids = None
             self.lm_weight = target.lm_head_weight
+        # A head in another dtype than the target (``draft_dtype``) scores its own hidden states: the LM
+        # head it uses is a copy in its dtype (embeddings are converted per lookup, a few rows at a time).
+        if self.lm_weight.dtype != head.dtype:
+            self.lm_weight = self.lm_weight.to(head.dtype)
         eagle_config = head.config.get(EAGLE_CONFIG_KEY) or {}
         self.min_confidence = float(eagle_config.get("min_draft_confidence", 0.0))
         # Draft 1 has its own (lower) bar: see ``DEFAULT_MIN_FIRST_DRAFT_CONFIDENCE``. Heads written before it
