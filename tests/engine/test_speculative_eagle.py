@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from nxdserve.engine.models import fused_decode
 from nxdserve.engine.models.attention import AttentionMetadata
 from nxdserve.engine.speculative.eagle_head import EagleHead, head_config_from_target, load_eagle_head, save_eagle_head
 from nxdserve.speculative.corpus import Sequence
@@ -57,6 +58,40 @@ def test_first_pass_matches_the_slot_cache_path(input_norm: bool) -> None:
     got1b = [run_slots(head, cache, embeds[1, p : p + 1], feats[1, p : p + 1], [3], [p], [1]) for p in range(13, 20)]
     torch.testing.assert_close(got0, expected[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat([got1a, *got1b]), expected[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not fused_decode.available(), reason="no AVX512-BF16 C kernels on this machine")
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_bf16_head_runs_fused_as_close_to_fp32_as_its_layer_path(
+    input_norm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bf16 on CPU the head's layer runs through the fused C forward (no final norm; no input norm
+    unless the head has one): a chunk, then single-token steps, as close to fp32 as the layer path."""
+    reference = make_head(seed=4, input_norm=input_norm)
+    g = torch.Generator().manual_seed(2)
+    embeds, feats = torch.randn(16, HIDDEN, generator=g), torch.randn(16, HIDDEN, generator=g)
+
+    def serve(head: EagleHead) -> torch.Tensor:
+        cache = head.new_kv_cache(3, MAX_LEN)
+        e, f = embeds.to(head.dtype), feats.to(head.dtype)
+        outs = [run_slots(head, cache, e[:10], f[:10], [2], [0], [10])]
+        outs += [run_slots(head, cache, e[p : p + 1], f[p : p + 1], [2], [p], [1]) for p in range(10, 16)]
+        return torch.cat(outs).float()
+
+    bf16 = EagleHead(reference.config, torch.bfloat16, torch.device("cpu"), MAX_LEN)
+    bf16.load_checkpoint_tensors(reference.named_checkpoint_tensors())
+    fused_calls = []
+    run = bf16.fused.run
+    monkeypatch.setattr(bf16.fused, "run", lambda *a: fused_calls.append(1) or run(*a))
+    expected = serve(reference)
+    fused = serve(bf16)
+    assert len(fused_calls) == 7
+    monkeypatch.setattr(fused_decode, "enabled", False)
+    layer = serve(bf16)
+    assert len(fused_calls) == 7
+    scale = expected.abs().max().item()
+    fused_err, layer_err = (fused - expected).abs().max().item(), (layer - expected).abs().max().item()
+    assert fused_err <= 2 * layer_err + 0.02 * scale, (fused_err, layer_err, scale)
 
 
 def test_chained_drafting_is_what_the_unrolled_passes_train() -> None:

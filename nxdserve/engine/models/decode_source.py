@@ -310,7 +310,9 @@ static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16
 /* Per layer, 10 pointers: input norm, qkv weight, qkv bias, o weight, o bias, post norm, gate_up weight,
    gate_up bias, down weight, down bias (weights packed, biases may be NULL); then the layer's K and V cache
    bases (slots, kv heads, max_len, D) as two more pointers; windows[l] > 0 for a sliding window.
-   x (T, H): the embeddings in, the final-norm hidden states out. cos/sin (T, D): the tokens' RoPE rows.
+   x (T, H): the embeddings in, the final-norm hidden states out (final_norm NULL: the last layer's output).
+   A NULL input-norm pointer in the table means no input norm (an EAGLE-1 head's layer).
+   cos/sin (T, D): the tokens' RoPE rows.
    Token t writes its K/V at (slots[t], pos[t]) and attends to keys lo..pos[t] of that slot.
    ws: bf16 scratch of T * (H + QKV + NH*D + 3I); fs: fp32 scratch of nthreads * G * (max pos + 1). */
 void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, const int64_t* windows, int64_t L,
@@ -352,8 +354,9 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             const uint16_t *in_norm = p[0], *qkv_w = p[1], *qkv_b = p[2], *o_w = p[3], *o_b = p[4];
             const uint16_t *post_norm = p[5], *gu_w = p[6], *gu_b = p[7], *dn_w = p[8], *dn_b = p[9];
             uint16_t *kc = (uint16_t*)p[10], *vc = (uint16_t*)p[11];
-            /* 1. Input norm of this thread's rows; q/k/v of this thread's panels. */
-            df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
+            /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */
+            if (in_norm) df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
+            else if (thi > tlo) memcpy(h + tlo * H, x + tlo * H, sizeof(uint16_t) * (thi - tlo) * H);
             _Pragma("omp barrier")
             df_gemm(h, T, H, qkv_w, qkv_b, NULL, QKV, qkv, tid, nth);
             _Pragma("omp barrier")
@@ -428,9 +431,11 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             df_gemm(act, T, I, dn_w, dn_b, x, H, x, tid, nth);
             _Pragma("omp barrier")
         }
-        df_rmsnorm(x, final_norm, eps, h, tlo, thi, H);
-        _Pragma("omp barrier")
-        for (int64_t t = tlo; t < thi; t++) memcpy(x + t * H, h + t * H, sizeof(uint16_t) * H);
+        if (final_norm) { /* NULL: the stack's output is the residual stream itself (an EAGLE head's) */
+            df_rmsnorm(x, final_norm, eps, h, tlo, thi, H);
+            _Pragma("omp barrier")
+            for (int64_t t = tlo; t < thi; t++) memcpy(x + t * H, h + t * H, sizeof(uint16_t) * H);
+        }
     }
 }
 #else

@@ -19,7 +19,11 @@ from nxdserve.engine.models import cpu_kernels, gemm
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
 
 if TYPE_CHECKING:
-    from nxdserve.engine.models.llama import LlamaFamilyModel
+    from collections.abc import Sequence
+
+    from nxdserve.engine.models.llama import DecoderLayer, RMSNorm
+    from nxdserve.engine.models.rope import RotaryTables
+    from nxdserve.engine.models.spec import ModelSpec
 
 # Since attention goes by blocks of tokens (``decode_source``), the fused forward beats the layer path at
 # every size measured: 0.78x its time for a 128-token chunk at position 0, 0.75x for 256, 0.76x for 512, and
@@ -35,26 +39,45 @@ def available() -> bool:
 
 
 class FusedDecode:
-    """The fused forward bound to one model: its weight pointers, built once per KV cache."""
+    """The fused forward bound to a stack of decoder layers: their weight pointers, built once per KV cache.
 
-    def __init__(self, model: LlamaFamilyModel) -> None:
-        self.model = model
-        s = model.spec
+    A model's stack has its final norm and embeddings (``forward`` takes token ids); an EAGLE head's one
+    layer has neither (``run`` takes the fc output and returns the layer's output)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        layers: Sequence[DecoderLayer],
+        rope: RotaryTables,
+        final_norm: RMSNorm | None = None,
+        embed_weight: torch.Tensor | None = None,
+    ) -> None:
+        self.spec = spec
+        self.layers = layers
+        self.rope = rope
+        self.final_norm = final_norm
+        self.embed_weight = embed_weight
+        # One eps for every norm of the stack (Llama-family configs have one rms_norm_eps).
+        self.eps = final_norm.eps if final_norm is not None else layers[0].post_norm.eps
         self.supported_model = (
-            model.dtype == torch.bfloat16
-            and model.device.type == "cpu"
-            and not s.qk_norm
-            and s.hidden_act in ("silu", "swish")
-            and s.head_dim % 2 == 0  # RoPE rotates halves
-            and s.head_dim <= cpu_kernels.MAX_HEAD_DIM
-            and s.num_heads // s.num_kv_heads <= cpu_kernels.MAX_GROUP
+            not spec.qk_norm
+            and spec.hidden_act in ("silu", "swish")
+            and spec.head_dim % 2 == 0  # RoPE rotates halves
+            and spec.head_dim <= cpu_kernels.MAX_HEAD_DIM
+            and spec.num_heads // spec.num_kv_heads <= cpu_kernels.MAX_GROUP
         )
         self._table: tuple[tuple[int, int], ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int64]] | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
 
-    def accepts(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> bool:
+    def accepts(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> bool:
+        """``inputs``: the token ids (``forward``) or input states (``run``) of this forward."""
+        weight = self.layers[0].qkv_weight  # the live dtype: a module may be cast after it was built
         return (
             self.supported_model
+            and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
             and 0 < meta.num_tokens <= MAX_TOKENS
             # The C code trusts its indices: rows outside this cache take the checked torch path.
             and meta.max_slot < kv_cache.num_slots
@@ -66,14 +89,14 @@ class FusedDecode:
 
     def _layer_table(self, kv_cache: SlotKVCache) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int64]]:
         # Rebuilt for another cache, or when the weights were written again (loading bumps every version).
-        key = (kv_cache.data.data_ptr(), self.model.layers[0].qkv_weight._version)
+        key = (kv_cache.data.data_ptr(), self.layers[0].qkv_weight._version)
         if self._table is None or self._table[0] != key:
             pointers: list[int | None] = []
             windows: list[int] = []
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv_cache.layer(i)
                 params = (
-                    layer.input_norm.weight,
+                    getattr(layer.input_norm, "weight", None),  # an EAGLE head may have none (Identity)
                     layer.qkv_weight,
                     layer.qkv_bias,
                     layer.o_weight,
@@ -105,22 +128,27 @@ class FusedDecode:
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
         """token_ids (T,) -> final-norm hidden states (T, hidden), like ``LlamaFamilyModel.forward``."""
-        model, s = self.model, self.model.spec
+        assert self.embed_weight is not None
+        return self.run(F.embedding(token_ids, self.embed_weight).contiguous(), meta, kv_cache)
+
+    def run(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
+        """x (T, hidden), contiguous, overwritten -> the stack's output (final-normed where it has a norm)."""
+        s = self.spec
         lib = cpu_kernels._library()
-        assert lib is not None
+        assert lib is not None and x.is_contiguous()
         table, windows = self._layer_table(kv_cache)
         t = meta.num_tokens
-        x = F.embedding(token_ids, model.embed_weight).contiguous()
-        cos = model.rope.cos.index_select(0, meta.positions)
-        sin = model.rope.sin.index_select(0, meta.positions)
+        cos = self.rope.cos.index_select(0, meta.positions)
+        sin = self.rope.sin.index_select(0, meta.positions)
         threads = torch.get_num_threads()
         qkv = s.q_size + 2 * s.kv_size
         work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size), torch.bfloat16)
         per_thread = lib.decode_forward_scratch(s.num_heads // s.num_kv_heads, meta.max_end)
         scratch = self._buffer(1, threads * per_thread, torch.float32)
         k_cache, _ = kv_cache.layer(0)
+        final_norm = None if self.final_norm is None else self.final_norm.weight.data_ptr()
         lib.decode_forward_bf16(
-            x.data_ptr(), t, table, windows, len(model.layers), model.norm.weight.data_ptr(), model.norm.eps,
+            x.data_ptr(), t, table, windows, len(self.layers), final_norm, self.eps,
             cos.data_ptr(), sin.data_ptr(), meta.write_slots.data_ptr(), meta.positions.data_ptr(),
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
             k_cache.stride(0), k_cache.stride(1), work.data_ptr(), scratch.data_ptr(), threads,

@@ -165,7 +165,9 @@ class LlamaFamilyModel(nn.Module):
         inv_freq, scaling = rope_inv_freq(hf_config, spec.head_dim, spec.rope_type)
         self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
         self.windows = frozenset(spec.sliding_windows)
-        self.fused_decode = FusedDecode(self)
+        self.fused_decode = FusedDecode(
+            spec, dtype, device, self.layers, self.rope, final_norm=self.norm, embed_weight=self.embed_weight
+        )
 
     @classmethod
     def from_pretrained(

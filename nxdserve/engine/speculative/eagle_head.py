@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
+from nxdserve.engine.models.fused_decode import FusedDecode
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.models.llama import DecoderLayer
 from nxdserve.engine.models.rope import RotaryTables, rope_inv_freq
@@ -109,6 +110,9 @@ class EagleHead(nn.Module):
         inv_freq, scaling = rope_inv_freq(hf_config, spec.head_dim, spec.rope_type)
         self.rope = RotaryTables(inv_freq, scaling, max_len, dtype, device)
         self.windows: frozenset[int | None] = frozenset({None})
+        # bf16 on CPU: the layer runs through the fused C forward (one OpenMP region, no final norm); a
+        # drafting step's head call is mostly framework overhead on the layer-by-layer path.
+        self.fused = FusedDecode(spec, dtype, device, [self.layer], self.rope)
         self.draft_vocab_ids: torch.Tensor | None = None  # (V',) int64 full-vocabulary ids
 
     @property
@@ -124,6 +128,8 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """embeds (T, H) of tokens t+1, features (T, H) at t -> predicted next features (T, H)."""
         x = linear(torch.cat((embeds, features), dim=-1), self.fc_weight, self.fc_bias)
+        if self.fused.accepts(x, meta, kv_cache):
+            return self.fused.run(x.contiguous(), meta, kv_cache)
         cos, sin = self.rope.gather(meta.positions)
         k_cache, v_cache = kv_cache.layer(0)
         return self.layer(x, cos, sin, k_cache, v_cache, meta)
