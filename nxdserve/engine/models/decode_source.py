@@ -71,6 +71,29 @@ static inline __m512 df_sum16(const __m512* v) {
     return _mm512_permutexvar_ps(idx, r);
 }
 
+/* V rows v0 and v0 + 64 (zeros for the second when !two) interleaved into bf16 pairs for p . v: one
+   vdpbf16ps with (p_j, p_j+1) broadcast then does two keys for 16 dims. Lane 4q + r of i[c] is dim
+   32 * (c / 2) + 8q + 4 * (c % 2) + r (unpack works within 128-bit lanes); df_store_row undoes that. */
+static inline void df_v_pairs(const uint16_t* v0, int two, __m512bh* i) {
+    __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
+    __m512i b0 = two ? _mm512_loadu_si512(v0 + 64) : _mm512_setzero_si512();
+    __m512i b1 = two ? _mm512_loadu_si512(v0 + 96) : _mm512_setzero_si512();
+    i[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
+    i[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
+    i[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
+    i[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
+}
+
+/* One query head's four p . v accumulators (lanes in df_v_pairs' order) -> o[0..63] = bf16(acc * inv). */
+static inline void df_store_row(const __m512* acc, float inv, uint16_t* o) {
+    const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    const __m512 scale = _mm512_set1_ps(inv);
+    __m512 d[4] = {_mm512_permutex2var_ps(acc[0], lo, acc[1]), _mm512_permutex2var_ps(acc[0], hi, acc[1]),
+                   _mm512_permutex2var_ps(acc[2], lo, acc[3]), _mm512_permutex2var_ps(acc[2], hi, acc[3])};
+    for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i*)(o + 16 * c), gm_round(_mm512_mul_ps(d[c], scale)));
+}
+
 /* One (token, KV head) item for head size 64 and GG query heads per KV head (a compile-time count, so
    the output accumulators stay in registers): q . k as bf16 pair products summed in fp32 (exact
    products, like the fp32 loop), sixteen keys reduced together; softmax and p . v in fp32. */
@@ -112,9 +135,7 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
         for (int64_t j = 0; j < n; j++) { float e = R_bf16(expf(sg[j] - mx)); sg[j] = e; sum += e; }   \
         inv[g] = 1.f / sum;                                                                            \
     }                                                                                                  \
-    /* p . v two keys at a time: their V rows interleaved into bf16 pairs, (p_j, p_j+1) broadcast, so  \
-       one vdpbf16ps does two keys for 16 dims. Accumulator lane 4q + r of vector c holds dim          \
-       32 * (c / 2) + 8q + 4 * (c % 2) + r (unpack works within 128-bit lanes); undone at the end. */ \
+    /* p . v two keys at a time (df_v_pairs), the weights' bf16 halves paired. */                    \
     __m512 acc[GG][4];                                                                                 \
     for (int g = 0; g < GG; g++)                                                                       \
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();                                   \
@@ -123,11 +144,8 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
         __builtin_prefetch(v0 + 16 * 64);                                                              \
         __builtin_prefetch((const char*)(v0 + 16 * 64) + 64);                                          \
         int two = j + 1 < n;                                                                           \
-        __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);                         \
-        __m512i b0 = two ? _mm512_loadu_si512(v0 + 64) : _mm512_setzero_si512();                       \
-        __m512i b1 = two ? _mm512_loadu_si512(v0 + 96) : _mm512_setzero_si512();                       \
-        __m512bh i[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0), \
-                         (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)}; \
+        __m512bh i[4];                                                                                 \
+        df_v_pairs(v0, two, i);                                                                        \
         for (int g = 0; g < GG; g++) {                                                                 \
             uint32_t pj, pk = 0;                                                                       \
             memcpy(&pj, sc + g * n + j, 4);                                                            \
@@ -136,17 +154,7 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pp, i[c]);             \
         }                                                                                              \
     }                                                                                                  \
-    const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);       \
-    const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8); \
-    for (int g = 0; g < GG; g++) {                                                                     \
-        __m512 scale_g = _mm512_set1_ps(inv[g]);                                                       \
-        __m512 d[4] = {_mm512_permutex2var_ps(acc[g][0], lo, acc[g][1]),                               \
-                       _mm512_permutex2var_ps(acc[g][0], hi, acc[g][1]),                               \
-                       _mm512_permutex2var_ps(acc[g][2], lo, acc[g][3]),                               \
-                       _mm512_permutex2var_ps(acc[g][2], hi, acc[g][3])};                              \
-        for (int c = 0; c < 4; c++)                                                                    \
-            _mm256_storeu_si256((__m256i*)(o + g * 64 + 16 * c), gm_round(_mm512_mul_ps(d[c], scale_g))); \
-    }                                                                                                  \
+    for (int g = 0; g < GG; g++) df_store_row(acc[g], inv[g], o + g * 64);                             \
 }
 DF_ITEM64(1) DF_ITEM64(2) DF_ITEM64(3) DF_ITEM64(4)
 
@@ -259,8 +267,6 @@ static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R
         inv[r] = 1.f / _mm512_reduce_add_ps(sv);
     }
     /* p . v, six rows at a time (24 accumulators): a pair of V rows is interleaved once per six rows. */
-    const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int64_t r0 = 0; r0 < R; r0 += 6) {
         const int64_t rm = R - r0 < 6 ? R - r0 : 6, ng = n0 + (r0 + rm - 1) / G;
         const df_u32* w[6];
@@ -269,27 +275,14 @@ static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R
         for (int r = 0; r < 6; r++)
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < ng; j += 2) {
-            const uint16_t* v0 = vb + j * 64;
-            const int two = j + 1 < ng;
-            __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
-            __m512i b0 = two ? _mm512_loadu_si512(v0 + 64) : _mm512_setzero_si512();
-            __m512i b1 = two ? _mm512_loadu_si512(v0 + 96) : _mm512_setzero_si512();
-            __m512bh i[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
-                             (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+            __m512bh i[4];
+            df_v_pairs(vb + j * 64, j + 1 < ng, i);
             for (int r = 0; r < 6; r++) {
                 __m512bh pp = (__m512bh)_mm512_set1_epi32((int32_t)w[r][j >> 1]);
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, i[c]);
             }
         }
-        for (int64_t r = 0; r < rm; r++) {
-            __m512 sr = _mm512_set1_ps(inv[r0 + r]);
-            __m512 d[4] = {_mm512_permutex2var_ps(acc[r][0], lo, acc[r][1]),
-                           _mm512_permutex2var_ps(acc[r][0], hi, acc[r][1]),
-                           _mm512_permutex2var_ps(acc[r][2], lo, acc[r][3]),
-                           _mm512_permutex2var_ps(acc[r][2], hi, acc[r][3])};
-            for (int c = 0; c < 4; c++)
-                _mm256_storeu_si256((__m256i*)(op[r0 + r] + 16 * c), gm_round(_mm512_mul_ps(d[c], sr)));
-        }
+        for (int64_t r = 0; r < rm; r++) df_store_row(acc[r], inv[r0 + r], op[r0 + r]);
     }
 }
 
