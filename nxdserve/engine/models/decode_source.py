@@ -307,7 +307,8 @@ static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16
    A NULL input-norm pointer in the table means no input norm (an EAGLE-1 head's layer).
    cos/sin (T, D): the tokens' RoPE rows.
    Token t writes its K/V at (slots[t], pos[t]) and attends to keys lo..pos[t] of that slot.
-   ws: bf16 scratch of T * (H + QKV + NH*D + 3I); fs: fp32 scratch of nthreads * G * (max pos + 1). */
+   ws: bf16 scratch of T * (H + QKV + NH*D + 3I + 12); fs: fp32 scratch of nthreads *
+   decode_forward_scratch(G, max pos + 1). */
 void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, const int64_t* windows, int64_t L,
                          const uint16_t* final_norm, float eps, const uint16_t* cos, const uint16_t* sin,
                          const int64_t* slots, const int64_t* pos, int64_t H, int64_t NH, int64_t NKV, int64_t D,
@@ -323,7 +324,8 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     uint16_t* act = gu + T * 2 * I;     /* (T, I) */
     /* Attention blocks: runs of up to DF_BLOCK_TOKENS tokens of one row (same slot, consecutive positions),
        largest first so that the dynamic schedule does not end on a long one. */
-    int64_t nblk = 0, blk_t[T > 0 ? T : 1], blk_n[T > 0 ? T : 1], blk_cost[T > 0 ? T : 1];
+    /* The block table lives in the caller's scratch, after act: 3T int64 (12T bf16 slots). */
+    int64_t nblk = 0, *blk_t = (int64_t*)(act + T * I), *blk_n = blk_t + T, *blk_cost = blk_n + T;
     for (int64_t t = 0; t < T;) {
         int64_t e = t + 1;
         while (e < T && e - t < DF_BLOCK_TOKENS && slots[e] == slots[t] && pos[e] == pos[e - 1] + 1) e++;

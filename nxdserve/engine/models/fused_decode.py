@@ -142,7 +142,8 @@ class FusedDecode:
         sin = self.rope.sin.index_select(0, meta.positions)
         threads = torch.get_num_threads()
         qkv = s.q_size + 2 * s.kv_size
-        work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size), torch.bfloat16)
+        # + 12 per token: the attention block table (3 int64 per token) after the activations
+        work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size + 12), torch.bfloat16)
         per_thread = lib.decode_forward_scratch(s.num_heads // s.num_kv_heads, meta.max_end)
         scratch = self._buffer(1, threads * per_thread, torch.float32)
         k_cache, _ = kv_cache.layer(0)
