@@ -152,6 +152,57 @@ def test_block_attention_agrees_with_single_token_items(
 
 
 @needs_fused
+@pytest.mark.parametrize("seed", range(4))
+def test_block_attention_agrees_with_items_on_random_steps(
+    seed: int, custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random mixes of decodes, verification rows and chunks whose key counts fall on and around the
+    kernel's 16-key tiles and 32-key rows (and blocks cut at 8 tokens): blocks agree with per-token items."""
+    rng = np.random.default_rng(seed)
+    max_len = 128
+    model = LlamaFamilyModel.from_pretrained(custom_model_paths["d64-g3"], torch.bfloat16, torch.device("cpu"), max_len)
+    monkeypatch.setattr(fused_decode, "enabled", True)
+    slots = rng.permutation(8)[: int(rng.integers(2, 7))]
+    starts = rng.choice([0, 1, 15, 16, 17, 30, 31, 32, 33, 63, 64, 90], size=slots.size)
+    lens = np.array([int(rng.choice([1, 2, 3, 5, 8, 9, 16, 17, 33])) for _ in slots])
+    lens = np.minimum(lens, max_len - starts)
+    history = torch.randint(0, model.vocab_size, (8, max_len), generator=torch.Generator().manual_seed(seed))
+    groups = model.spec.num_heads // model.spec.num_kv_heads
+    meta = AttentionMetadata.build(
+        slots, starts, lens, num_query_groups=groups, windows=model.windows, max_len=max_len,
+        device=torch.device("cpu"), dtype=model.dtype,
+    )  # fmt: skip
+    tokens = torch.cat([history[s, b : b + n] for s, b, n in zip(slots, starts, lens, strict=True)])
+    lib = cpu_kernels._library()
+    assert lib is not None
+    outputs = []
+    for block_min in (2, 10**9):
+        lib.decode_forward_set_block_min(block_min)
+        try:
+            cache = model.new_kv_cache(8, max_len)
+            with single_torch_thread(), torch.inference_mode():
+                for s, b in zip(slots, starts, strict=True):  # the context before each row, layer path
+                    if b:
+                        model(history[s, :b], _meta_len(model, [int(s)], [0], [int(b)], max_len), cache)
+                assert model.fused_decode.accepts(tokens, meta, cache)
+                outputs.append(model(tokens, meta, cache).float())
+        finally:
+            lib.decode_forward_set_block_min(2)
+    scale = outputs[1].abs().max().item()
+    assert (outputs[0] - outputs[1]).abs().max().item() <= 0.02 * scale
+
+
+def _meta_len(
+    model: LlamaFamilyModel, slots: list[int], starts: list[int], lens: list[int], max_len: int
+) -> AttentionMetadata:
+    groups = model.spec.num_heads // model.spec.num_kv_heads
+    return AttentionMetadata.build(
+        np.array(slots), np.array(starts), np.array(lens), num_query_groups=groups, windows=model.windows,
+        max_len=max_len, device=torch.device("cpu"), dtype=model.dtype,
+    )  # fmt: skip
+
+
+@needs_fused
 def test_whole_long_prompt_runs_fused_as_close_to_fp32_as_the_layer_path(
     custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
