@@ -323,8 +323,8 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     uint16_t* gu = attn + T * NH * D;   /* (T, 2I) */
     uint16_t* act = gu + T * 2 * I;     /* (T, I) */
     /* Attention blocks: runs of up to DF_BLOCK_TOKENS tokens of one row (same slot, consecutive positions),
-       largest first so that the dynamic schedule does not end on a long one. */
-    /* The block table lives in the caller's scratch, after act: 3T int64 (12T bf16 slots). */
+       largest first so that the dynamic schedule does not end on a long one. The table lives in the
+       caller's scratch after act: 3T int64 (12T bf16 slots). */
     int64_t nblk = 0, *blk_t = (int64_t*)(act + T * I), *blk_n = blk_t + T, *blk_cost = blk_n + T;
     for (int64_t t = 0; t < T;) {
         int64_t e = t + 1;

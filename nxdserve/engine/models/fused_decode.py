@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 # Since attention goes by blocks of tokens (``decode_source``), the fused forward beats the layer path at
 # every size measured: 0.78x its time for a 128-token chunk at position 0, 0.75x for 256, 0.76x for 512, and
 # 0.60x for 256 or 512 tokens after 900-1000 (SDPA's attention). The cap bounds its scratch (T x ~13 KB on
-# SmolLM2-135M) and the block table it keeps on the stack; longer forwards take the layer path.
+# SmolLM2-135M); longer forwards take the layer path.
 MAX_TOKENS = 2048
 
 enabled = os.environ.get("NXDSERVE_FUSED_DECODE", "1") != "0"
@@ -47,8 +47,6 @@ class FusedDecode:
     def __init__(
         self,
         spec: ModelSpec,
-        dtype: torch.dtype,
-        device: torch.device,
         layers: Sequence[DecoderLayer],
         rope: RotaryTables,
         final_norm: RMSNorm | None = None,

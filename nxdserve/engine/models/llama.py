@@ -166,7 +166,7 @@ class LlamaFamilyModel(nn.Module):
         self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
         self.windows = frozenset(spec.sliding_windows)
         self.fused_decode = FusedDecode(
-            spec, dtype, device, self.layers, self.rope, final_norm=self.norm, embed_weight=self.embed_weight
+            spec, self.layers, self.rope, final_norm=self.norm, embed_weight=self.embed_weight
         )
 
     @classmethod

@@ -110,9 +110,9 @@ class EagleHead(nn.Module):
         inv_freq, scaling = rope_inv_freq(hf_config, spec.head_dim, spec.rope_type)
         self.rope = RotaryTables(inv_freq, scaling, max_len, dtype, device)
         self.windows: frozenset[int | None] = frozenset({None})
-        # bf16 on CPU: the layer runs through the fused C forward (one OpenMP region, no final norm); a
-        # drafting step's head call is mostly framework overhead on the layer-by-layer path.
-        self.fused = FusedDecode(spec, dtype, device, [self.layer], self.rope)
+        # bf16 on CPU: the layer runs through the fused C forward (one OpenMP region, no final norm). It
+        # matters most for the cache update over every decoding row (chat, batch 8: 0.86x -> 0.92-0.96x plain).
+        self.fused = FusedDecode(spec, [self.layer], self.rope)
         self.draft_vocab_ids: torch.Tensor | None = None  # (V',) int64 full-vocabulary ids
 
     @property
