@@ -233,6 +233,37 @@ def test_whole_long_prompt_runs_fused_as_close_to_fp32_as_the_layer_path(
 
 
 @needs_fused
+@pytest.mark.parametrize("family", ["odd", "d64-g3"])
+def test_fused_forward_gives_the_same_bits_on_any_thread_count(
+    family: str, custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads share each projection's panels by work stealing, and a panel's output does not depend on who
+    computes it. More threads than cores (5 on the 2-core CI machine) get descheduled mid-GEMM, so the others
+    take over their panels; a panel claimed twice or never would change the bits (or leave stale output)."""
+    path = custom_model_paths[family]
+    monkeypatch.setattr(fused_decode, "enabled", True)
+    model = LlamaFamilyModel.from_pretrained(path, torch.bfloat16, torch.device("cpu"), max_len=MAX_LEN)
+    gen = torch.Generator().manual_seed(5)
+    # Decodes, a verification row and a 40-token chunk: 45 tokens, inside one row block of every projection.
+    tokens = torch.randint(0, model.vocab_size, (45,), generator=gen)
+    meta = _meta(model, [0, 1, 2, 3], [PROMPT_LEN, PROMPT_LEN, PROMPT_LEN, 0], [1, 3, 1, 40])
+    before = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2, 3, 5, 5, 5):
+            torch.set_num_threads(threads)
+            cache = model.new_kv_cache(4, MAX_LEN)
+            cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(9)))
+            with torch.inference_mode():
+                assert model.fused_decode.accepts(tokens, meta, cache)
+                outputs.append((model.compute_logits(model(tokens, meta, cache)), cache.data.clone()))
+    finally:
+        torch.set_num_threads(before)
+    for logits, kv in outputs[1:]:
+        assert torch.equal(logits, outputs[0][0]) and torch.equal(kv, outputs[0][1])
+
+
+@needs_fused
 def test_fused_forward_is_not_used_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_decode, "enabled", True)
     bf16 = LlamaFamilyModel.from_pretrained(tiny_model_path("llama"), torch.bfloat16, torch.device("cpu"), MAX_LEN)

@@ -292,9 +292,15 @@ int64_t decode_forward_scratch(int64_t G, int64_t maxctx) {
     return (block > G * maxctx ? block : G * maxctx) + 16;
 }
 
-/* One thread's share of x (T, K) @ w^T (+ bias) (+ res) -> out, w packed (``gemm.pack``), N outputs. */
+/* One thread's share of x (T, K) @ w^T (+ bias) (+ res) -> out, w packed (``gemm.pack``), N outputs: panels
+   stolen between threads (``gm_panels_steal``) when runs is set, else a static run of them. */
 static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w, const uint16_t* b,
-                           const uint16_t* res, int64_t N, uint16_t* out, int tid, int nth) {
+                           const uint16_t* res, int64_t N, uint16_t* out, gm_run* runs, int nruns, int tid,
+                           int nth) {
+    if (runs) {
+        gm_panels_steal(x, T, K, K, w, runs, tid, nruns, b, res, N, N, out, N);
+        return;
+    }
     int64_t p0, p1;
     gm_share((N + GM_NR - 1) / GM_NR, tid, nth, &p0, &p1);
     gm_panels(x, T, K, K, w, p0, p1, b, res, N, N, out, N);
@@ -338,9 +344,18 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     }
     const int64_t per_thread = decode_forward_scratch(G, maxctx);
     int nt = nthreads < 1 ? 1 : nthreads;
+    /* Panel runs for work stealing (gm_panels_steal): 4 GEMMs per layer x nt threads, set up here so that no
+       thread needs a barrier to reset them. A GEMM whose x exceeds one row block splits statically. */
+    const int64_t gk[4] = {H, NH * D, H, I}, gn[4] = {QKV, H, 2 * I, H};
+    gm_run* runs = nt > 1 ? (gm_run*)aligned_alloc(64, sizeof(gm_run) * 4 * L * nt) : NULL;
+    if (runs)
+        for (int64_t l = 0; l < L; l++)
+            for (int j = 0; j < 4; j++) gm_runs_init(runs + (l * 4 + j) * nt, (gn[j] + GM_NR - 1) / GM_NR, nt);
     _Pragma("omp parallel num_threads(nt)")
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        /* Fewer threads than asked: runs of missing threads are still claimed by the others' stealing. */
+        gm_run* lr[4];
         float* sc = fs + (int64_t)tid * per_thread;
         int64_t tlo, thi;
         df_share(T, tid, nth, &tlo, &thi);
@@ -349,11 +364,12 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             const uint16_t *in_norm = p[0], *qkv_w = p[1], *qkv_b = p[2], *o_w = p[3], *o_b = p[4];
             const uint16_t *post_norm = p[5], *gu_w = p[6], *gu_b = p[7], *dn_w = p[8], *dn_b = p[9];
             uint16_t *kc = (uint16_t*)p[10], *vc = (uint16_t*)p[11];
+            for (int j = 0; j < 4; j++) lr[j] = runs && gm_stealable(T, gk[j]) ? runs + (l * 4 + j) * nt : NULL;
             /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */
             if (in_norm) df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
             else if (thi > tlo) memcpy(h + tlo * H, x + tlo * H, sizeof(uint16_t) * (thi - tlo) * H);
             _Pragma("omp barrier")
-            df_gemm(h, T, H, qkv_w, qkv_b, NULL, QKV, qkv, tid, nth);
+            df_gemm(h, T, H, qkv_w, qkv_b, NULL, QKV, qkv, lr[0], nt, tid, nth);
             _Pragma("omp barrier")
             /* 2. RoPE on q and k heads, K and V into the cache: (token, head) items. */
             _Pragma("omp for schedule(static)")
@@ -409,12 +425,12 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 }
             }
             /* 4. Output projection plus the residual, in place on x (this thread's columns). */
-            df_gemm(attn, T, NH * D, o_w, o_b, x, H, x, tid, nth);
+            df_gemm(attn, T, NH * D, o_w, o_b, x, H, x, lr[1], nt, tid, nth);
             _Pragma("omp barrier")
             /* 5. Post-attention norm; gate and up; silu(gate) * up. */
             df_rmsnorm(x, post_norm, eps, h, tlo, thi, H);
             _Pragma("omp barrier")
-            df_gemm(h, T, H, gu_w, gu_b, NULL, 2 * I, gu, tid, nth);
+            df_gemm(h, T, H, gu_w, gu_b, NULL, 2 * I, gu, lr[2], nt, tid, nth);
             _Pragma("omp barrier")
             for (int64_t t = tlo; t < thi; t++)
                 for (int64_t c = 0; c < I; c++) {
@@ -423,7 +439,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 }
             _Pragma("omp barrier")
             /* 6. Down projection plus the residual, in place on x. */
-            df_gemm(act, T, I, dn_w, dn_b, x, H, x, tid, nth);
+            df_gemm(act, T, I, dn_w, dn_b, x, H, x, lr[3], nt, tid, nth);
             _Pragma("omp barrier")
         }
         if (final_norm) { /* NULL: the stack's output is the residual stream itself (an EAGLE head's) */
@@ -432,6 +448,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             for (int64_t t = tlo; t < thi; t++) memcpy(x + t * H, h + t * H, sizeof(uint16_t) * H);
         }
     }
+    free(runs);
 }
 #else
 int decode_forward_available(void) { return 0; }

@@ -88,36 +88,46 @@ static void gm_tile_##MR(const uint16_t* x, int64_t xs, int64_t K, const uint16_
 }
 GM_KERNEL(1) GM_KERNEL(2) GM_KERNEL(3) GM_KERNEL(4) GM_KERNEL(5) GM_KERNEL(6) GM_KERNEL(7) GM_KERNEL(8)
 
-/* Rows [0, M) of x against panels [p0, p1) of w: out columns 48 * p0 .. min(48 * p1, N). Rows go in blocks
-   of about 256 KB of x, so a block stays in L2 while the panels pass over it. One thread's share of a GEMM
-   (``gemm_bf16``, and the fused forward in ``decode_source``). */
+/* Rows [b0, b1) of x against one panel w (columns 48p ..): 8-row register tiles; the first tile also pulls
+   the panel ``next`` into L2 (NULL: none). */
+static void gm_panel(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, int64_t xs, const uint16_t* w,
+                     const uint16_t* next, int64_t p, const uint16_t* bias, const uint16_t* res, int64_t rs,
+                     int64_t N, uint16_t* out, int64_t os) {
+    for (int64_t m0 = b0; m0 < b1; m0 += GM_MR) {
+        const uint16_t* xr = x + m0 * xs;
+        const uint16_t* rr = res ? res + m0 * rs : NULL;
+        uint16_t* o = out + m0 * os;
+        const uint16_t* pf = m0 == b0 ? next : NULL;
+        switch (b1 - m0 < GM_MR ? b1 - m0 : GM_MR) {
+            case 1: gm_tile_1(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+            case 2: gm_tile_2(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+            case 3: gm_tile_3(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+            case 4: gm_tile_4(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+            case 5: gm_tile_5(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+            case 6: gm_tile_6(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+            case 7: gm_tile_7(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+            default: gm_tile_8(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
+        }
+    }
+}
+
+/* Rows of x per block that stays in L2 while the panels pass over it (about 256 KB of x). */
+static inline int64_t gm_row_block(int64_t K) {
+    int64_t mb = (256 * 1024 / (2 * K)) / GM_MR * GM_MR;
+    return mb < 4 * GM_MR ? 4 * GM_MR : mb;
+}
+
+/* Rows [0, M) of x against panels [p0, p1) of w: out columns 48 * p0 .. min(48 * p1, N), row block by row
+   block. One thread's static share of a GEMM too big for work stealing (a long prefill). */
 static void gm_panels(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, int64_t p0,
                       int64_t p1, const uint16_t* bias, const uint16_t* res, int64_t rs, int64_t N, uint16_t* out,
                       int64_t os) {
-    const int64_t panel = ((K + 1) / 2) * 2 * GM_NR;
-    int64_t mb = (256 * 1024 / (2 * K)) / GM_MR * GM_MR;
-    if (mb < 4 * GM_MR) mb = 4 * GM_MR;
+    const int64_t panel = ((K + 1) / 2) * 2 * GM_NR, mb = gm_row_block(K);
     for (int64_t b0 = 0; b0 < M; b0 += mb) {
         int64_t b1 = b0 + mb < M ? b0 + mb : M;
         for (int64_t p = p0; p < p1; p++) {
             const uint16_t* w = wp + p * panel;
-            const uint16_t* next = p + 1 < p1 ? w + panel : NULL;
-            for (int64_t m0 = b0; m0 < b1; m0 += GM_MR) {
-                const uint16_t* xr = x + m0 * xs;
-                const uint16_t* rr = res ? res + m0 * rs : NULL;
-                uint16_t* o = out + m0 * os;
-                const uint16_t* pf = m0 == b0 ? next : NULL;
-                switch (b1 - m0 < GM_MR ? b1 - m0 : GM_MR) {
-                    case 1: gm_tile_1(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                    case 2: gm_tile_2(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                    case 3: gm_tile_3(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                    case 4: gm_tile_4(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                    case 5: gm_tile_5(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                    case 6: gm_tile_6(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                    case 7: gm_tile_7(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                    default: gm_tile_8(xr, xs, K, w, pf, bias, rr, rs, o, os, p * GM_NR, N); break;
-                }
-            }
+            gm_panel(x, b0, b1, K, xs, w, p + 1 < p1 ? w + panel : NULL, p, bias, res, rs, N, out, os);
         }
     }
 }
@@ -128,20 +138,80 @@ static inline void gm_share(int64_t P, int tid, int nt, int64_t* p0, int64_t* p1
     *p1 = P * (tid + 1) / nt;
 }
 
+/* Work stealing over panels. On a shared machine (the server's event loop, a client, other processes) the
+   OS takes a core from one of the GEMM threads now and then; with a static split the other thread then
+   waits at the next barrier for the whole time slice. Here each thread owns a static run of panels, which it
+   takes from the front, one panel per claim, so its weight stream stays sequential and prefetched; a thread
+   whose run is done takes the other runs' panels from their back ends. A run is one 64-bit word, next << 32
+   | end, on its own cache line, claimed by compare-and-swap (uncontended until the end of a GEMM). */
+typedef struct { uint64_t run; char pad[56]; } gm_run;
+
+static inline void gm_runs_init(gm_run* runs, int64_t P, int nt) {
+    for (int t = 0; t < nt; t++) {
+        int64_t p0, p1;
+        gm_share(P, t, nt, &p0, &p1);
+        runs[t].run = ((uint64_t)p0 << 32) | (uint64_t)p1;
+    }
+}
+
+static inline int gm_claim(gm_run* r, int back, int64_t* p, int64_t* end) {
+    uint64_t v = __atomic_load_n(&r->run, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t n = v >> 32, e = v & 0xffffffffu;
+        if (n >= e) return 0;
+        uint64_t want = back ? (n << 32) | (e - 1) : ((n + 1) << 32) | e;
+        if (__atomic_compare_exchange_n(&r->run, &v, want, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *p = back ? (int64_t)e - 1 : (int64_t)n;
+            *end = (int64_t)e;
+            return 1;
+        }
+    }
+}
+
+/* Whether x (M, K) is small enough for one row block, so that panels can go one at a time to any thread. */
+static inline int gm_stealable(int64_t M, int64_t K) { return M <= gm_row_block(K); }
+
+/* Thread tid's part of x (M rows, gm_stealable) @ w^T with runs[0..nt) set by gm_runs_init for w's panels. */
+static void gm_panels_steal(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp,
+                            gm_run* runs, int tid, int nt, const uint16_t* bias, const uint16_t* res, int64_t rs,
+                            int64_t N, uint16_t* out, int64_t os) {
+    const int64_t panel = ((K + 1) / 2) * 2 * GM_NR;
+    int64_t p, end;
+    while (gm_claim(&runs[tid], 0, &p, &end)) {
+        const uint16_t* w = wp + p * panel;
+        gm_panel(x, 0, M, K, xs, w, p + 1 < end ? w + panel : NULL, p, bias, res, rs, N, out, os);
+    }
+    for (int u = 1; u < nt; u++)
+        while (gm_claim(&runs[(tid + u) % nt], 1, &p, &end))
+            gm_panel(x, 0, M, K, xs, wp + p * panel, NULL, p, bias, res, rs, N, out, os);
+}
+
 /* out (M, N) = bf16(x (M, K) @ w^T + bias) [+ res, rounded again], w packed by panels (``gemm.pack``):
    panel p holds columns 48p..48p+47 as [ceil(K/2)][48][2] bf16 pairs, zero-padded. Each thread takes
-   a run of whole panels. out may be res (an in-place residual add). */
+   a run of whole panels (and, for up to a row block of x, steals from the others' runs when done). out
+   may be res (an in-place residual add). */
 void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, const uint16_t* bias,
                const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os, int nthreads) {
     const int64_t P = (N + GM_NR - 1) / GM_NR;
     int nt = nthreads < 1 ? 1 : nthreads;
     if (nt > P) nt = (int)P;
+    gm_run* runs = NULL;
+    if (nt > 1 && gm_stealable(M, K)) {
+        runs = (gm_run*)aligned_alloc(64, sizeof(gm_run) * nt);
+        if (runs) gm_runs_init(runs, P, nt);
+    }
     _Pragma("omp parallel num_threads(nt)")
     {
-        int64_t p0, p1;
-        gm_share(P, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
-        gm_panels(x, M, K, xs, wp, p0, p1, bias, res, rs, N, out, os);
+        int tid = omp_get_thread_num();
+        if (runs) {
+            gm_panels_steal(x, M, K, xs, wp, runs, tid, nt, bias, res, rs, N, out, os);
+        } else {
+            int64_t p0, p1;
+            gm_share(P, tid, omp_get_num_threads(), &p0, &p1);
+            gm_panels(x, M, K, xs, wp, p0, p1, bias, res, rs, N, out, os);
+        }
     }
+    free(runs);
 }
 #else
 int gemm_available(void) { return 0; }
