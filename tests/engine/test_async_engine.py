@@ -128,6 +128,32 @@ async def test_backend_failure_finishes_requests_with_error_then_engine_dies() -
         await eng.shutdown()
 
 
+async def test_next_forward_starts_before_the_previous_steps_outputs_are_delivered(engine: AsyncEngine) -> None:
+    """Handlers' streaming work for step n runs during step n + 1's forward, not between forwards: the loop
+    schedules and submits step n + 1 (both on the event loop's thread) before it delivers step n."""
+    core = engine.core
+    assert core is not None
+    events: list[str] = []
+    schedule, deliver = core.schedule, engine._deliver
+
+    def traced_schedule() -> object:
+        sched = schedule()
+        if not sched.is_empty:
+            events.append("schedule")
+        return sched
+
+    def traced_deliver(outputs: list) -> None:  # type: ignore[type-arg]
+        events.append("deliver")
+        deliver(outputs)
+
+    core.schedule = traced_schedule  # type: ignore[method-assign]
+    engine._deliver = traced_deliver  # type: ignore[method-assign]
+    outs = [o async for o in engine.generate("Count to ten:", _greedy(6))]
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 6
+    # One prefill step and five decode steps: each delivery but the last follows the next step's schedule.
+    assert events == ["schedule"] + ["schedule", "deliver"] * 5 + ["deliver"]
+
+
 async def test_shutdown_leaves_no_threads() -> None:
     def model_threads() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if t.name.startswith("nxdserve-model")}
