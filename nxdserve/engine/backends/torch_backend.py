@@ -202,8 +202,11 @@ class TorchBackend(Backend):
     ) -> Any:
         device = flat_logits.device
         width = rows.width
-        logits = flat_logits.new_zeros(rows.sampled.size, width, flat_logits.shape[-1])
-        logits[torch.from_numpy(verify_valid).to(device)] = flat_logits
+        if verify_valid.all():  # every row drafted the most (always so for one stream): a view, no copy
+            logits = flat_logits.view(rows.sampled.size, width, flat_logits.shape[-1])
+        else:
+            logits = flat_logits.new_zeros(rows.sampled.size, width, flat_logits.shape[-1])
+            logits[torch.from_numpy(verify_valid).to(device)] = flat_logits
         # Drafts are each row's last num_drafts tokens; read them back from the batch, -1 padded.
         slots = rows.slots[rows.sampled]
         num_drafts = rows.drafts[rows.sampled]
