@@ -247,11 +247,14 @@ def test_fused_forward_gives_the_same_bits_on_any_thread_count(
     # Decodes, a verification row and a 40-token chunk: 45 tokens, inside one row block of every projection.
     tokens = torch.randint(0, model.vocab_size, (45,), generator=gen)
     meta = _meta(model, [0, 1, 2, 3], [PROMPT_LEN, PROMPT_LEN, PROMPT_LEN, 0], [1, 3, 1, 40])
+    lib = cpu_kernels._library()
+    assert lib is not None
     before = torch.get_num_threads()
     outputs = []
     try:
-        for threads in (1, 2, 3, 5, 5, 5):
+        for threads, stealing in ((1, 1), (2, 1), (3, 1), (5, 1), (5, 1), (5, 1), (2, 0), (5, 0)):
             torch.set_num_threads(threads)
+            lib.gemm_set_work_stealing(stealing)
             cache = model.new_kv_cache(4, MAX_LEN)
             cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(9)))
             with torch.inference_mode():
@@ -259,6 +262,7 @@ def test_fused_forward_gives_the_same_bits_on_any_thread_count(
                 outputs.append((model.compute_logits(model(tokens, meta, cache)), cache.data.clone()))
     finally:
         torch.set_num_threads(before)
+        lib.gemm_set_work_stealing(1)
     for logits, kv in outputs[1:]:
         assert torch.equal(logits, outputs[0][0]) and torch.equal(kv, outputs[0][1])
 

@@ -327,6 +327,8 @@ def _library() -> ctypes.CDLL | None:
             # x, M, K, x row stride, packed w, bias, residual, residual row stride, N, out, out row stride, threads
             lib.gemm_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int]
             lib.gemm_bf16.restype = None
+            lib.gemm_set_work_stealing.argtypes = [_int]
+            lib.gemm_set_work_stealing.restype = None
     except Exception as exc:  # any failure: fall back to SDPA, loudly once
         logger.warning("CPU attention kernel unavailable (%s): using SDPA", exc)
         return None

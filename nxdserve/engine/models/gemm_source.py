@@ -168,8 +168,12 @@ static inline int gm_claim(gm_run* r, int back, int64_t* p, int64_t* end) {
     }
 }
 
+/* Work stealing on (1) or off (0: every GEMM splits statically), for A/B measurements and tests. */
+static int gm_stealing = 1;
+void gemm_set_work_stealing(int on) { gm_stealing = on; }
+
 /* Whether x (M, K) is small enough for one row block, so that panels can go one at a time to any thread. */
-static inline int gm_stealable(int64_t M, int64_t K) { return M <= gm_row_block(K); }
+static inline int gm_stealable(int64_t M, int64_t K) { return gm_stealing && M <= gm_row_block(K); }
 
 /* Thread tid's part of x (M rows, gm_stealable) @ w^T with runs[0..nt) set by gm_runs_init for w's panels. */
 static void gm_panels_steal(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp,
