@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from nxdserve.engine.backends.base import StepPlan, StepResult
-from nxdserve.engine.speculative.policy import EXPLORE_EVERY, WARMUP_STEPS, BatchSizePolicy, batch_bucket
+from nxdserve.engine.speculative.policy import (
+    EXPLORE_EVERY,
+    LARGE_BATCH,
+    LARGE_BATCH_MARGIN,
+    WARMUP_STEPS,
+    BatchSizePolicy,
+    batch_bucket,
+)
 
 
 def decode_step(batch: int, drafts: int, tokens_per_row: float, seconds: float) -> tuple[StepPlan, StepResult]:
@@ -73,6 +80,20 @@ def test_keeps_drafting_where_it_pays_and_stops_where_it_does_not() -> None:
     assert any(large[warm:]), "the losing arm is still re-measured now and then"
     rates = policy.describe()
     assert rates["1-1"]["on"] > rates["1-1"]["off"] and rates["17-32"]["on"] < rates["17-32"]["off"]
+
+
+def test_a_near_tie_drafts_at_small_batches_but_not_at_large_ones() -> None:
+    """Drafting 3% ahead: kept at one request (any gain counts where steps are bound by weight reads),
+    not above LARGE_BATCH requests, where it must win by LARGE_BATCH_MARGIN."""
+    ahead = 1.0 + LARGE_BATCH_MARGIN * 0.6
+    warm = 2 * WARMUP_STEPS
+    small = simulate(new_policy(), 1, 100, on=(1, 0.010 / ahead), off=(1, 0.010))
+    large = simulate(new_policy(), 2 * LARGE_BATCH, 100, on=(1, 0.010 / ahead), off=(1, 0.010))
+    assert sum(small[warm:]) >= (100 - warm) * (1 - 1.5 / EXPLORE_EVERY)
+    assert sum(large[warm:]) <= (100 - warm) * 1.5 / EXPLORE_EVERY
+    # A clear win above LARGE_BATCH still drafts.
+    clear = simulate(new_policy(), 2 * LARGE_BATCH, 100, on=(1, 0.010 / 1.2), off=(1, 0.010))
+    assert sum(clear[warm:]) >= (100 - warm) * (1 - 1.5 / EXPLORE_EVERY)
 
 
 def test_follows_a_change_in_acceptance() -> None:
