@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--long-prefill-token-threshold", type=int, default=0, help="max chunk per request (0: none)")
     s.add_argument("--max-num-partial-prefills", type=int, default=1, help="concurrent partial prefills")
     s.add_argument(
+        "--whole-prompt-overflow",
+        type=int,
+        default=None,
+        help="chunked mode: tokens a step may exceed --max-num-batched-tokens by to run a short prompt whole "
+        "instead of splitting it (default: 64 with the CPU default budget of 128, else 0)",
+    )
+    s.add_argument(
         "--max-consecutive-prefill-steps",
         type=int,
         default=1,
@@ -176,6 +183,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
+        whole_prompt_overflow=args.whole_prompt_overflow,
         max_consecutive_prefill_steps=args.max_consecutive_prefill_steps,
         max_waiting=args.max_waiting,
         seed=args.seed,

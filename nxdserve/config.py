@@ -21,6 +21,13 @@ DEFAULT_CHUNKED_BATCHED_TOKENS = 512
 # throughput 7% and cut its mean TTFT 12%, 8 concurrent 1000-token prompts' median TTFT 19%.
 # (512 holds every short request for a 512-token step: max ITL ~15x the median.)
 DEFAULT_CPU_CHUNKED_BATCHED_TOKENS = 128
+# With that default, a waiting prompt that fits a whole step runs whole, even past the budget by up to this
+# fraction of it, instead of being split: a split short prompt waits a whole extra step for its first token,
+# and under a burst of short prompts the queue of split prompts grows. Offline, workload a (64 x 70-token
+# prompts, 32 at a time), 4 interleaved runs: mean TTFT 525 -> 430 ms (waves of new prompts while others
+# decode: 242 -> 106 ms), throughput equal (618 / 624 tok/s), p99 ITL 90 -> 117 ms; half the budget beat a
+# whole one (441 ms, p99 ITL 158). Long prompts (more than a step) are split exactly as before.
+DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW = 0.5
 
 
 @dataclass
@@ -38,6 +45,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a chunk
     max_num_partial_prefills: int = 1
+    # Chunked mode: tokens a step may run past max_num_batched_tokens to run a waiting prompt whole rather
+    # than split it (only prompts that fit one step's budget). None: half the budget where the CPU default
+    # budget applies, else 0 (an explicit max_num_batched_tokens stays a hard cap, as in vLLM).
+    whole_prompt_overflow: int | None = None
     max_consecutive_prefill_steps: int = 1  # prefill-first anti-starvation
     max_waiting: int | None = None  # None: unbounded queue
     seed: int = 0
@@ -70,6 +81,17 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}.")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.whole_prompt_overflow is None:
+            cpu_default = (
+                self.enable_chunked_prefill
+                and self.max_num_batched_tokens is None
+                and chunked_token_budget == DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
+            )
+            self.whole_prompt_overflow = (
+                int(chunked_token_budget * DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW) if cpu_default else 0
+            )
+        if self.whole_prompt_overflow < 0:
+            raise ConfigError("whole_prompt_overflow must be non-negative.")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = (
                 max(chunked_token_budget, self.max_num_seqs)

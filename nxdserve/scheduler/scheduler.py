@@ -9,7 +9,9 @@ differ in how a step may mix them:
 
 - chunked: a prompt may be split to fit the budget left after the running requests, so a step
   mixes decodes with prefill chunks; at most ``max_num_partial_prefills`` prompts are mid-prefill
-  at once (enforced, unlike vLLM), and ``long_prefill_token_threshold`` caps one request's chunk.
+  at once (enforced, unlike vLLM), and ``long_prefill_token_threshold`` caps one request's chunk. A
+  waiting prompt that fits one step's budget is not split: it runs whole even past the budget, by up to
+  ``whole_prompt_overflow`` tokens (on by default only with the CPU default budget).
 - prefill-first: prompts are never split and a step is all-prefill or all-decode; a prefill step
   runs when a slot is free and the head prompt fits, but never more than
   ``max_consecutive_prefill_steps`` in a row while decodes wait (anti-starvation).
@@ -77,6 +79,7 @@ class Scheduler:
             )
         self.long_prefill_threshold = config.long_prefill_token_threshold
         self.max_partial_prefills = config.max_num_partial_prefills
+        self.whole_prompt_overflow = (config.whole_prompt_overflow or 0) if self.chunked else 0
         self.max_consecutive_prefills = config.max_consecutive_prefill_steps
         self.max_prefills_per_step = caps.max_prefills_per_step
         self.batch = batch
@@ -174,9 +177,15 @@ class Scheduler:
         # FCFS, except that a prompt held back only by the partial-prefill cap lets later prompts that
         # finish their prefill in this step go ahead: a long prompt never blocks short ones' TTFT.
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
+        # A prompt that fits one step's budget runs whole, up to whole_prompt_overflow tokens past the budget,
+        # rather than being split (see config.DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW).
+        room = budget + self.whole_prompt_overflow
+        while self.waiting and room > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
-            num_new = self._tokens_to_run(request, budget)
+            num_new = self._tokens_to_run(request, max(budget, 0))
+            whole = self._tokens_to_run(request, self.token_budget)
+            if num_new < whole <= room and whole == request.num_tokens_with_spec - request.num_computed_tokens:
+                num_new = whole
             stays_partial = num_new < request.num_prompt_tokens
             if stays_partial and partial >= self.max_partial_prefills:
                 skipped.append(request)
@@ -187,6 +196,7 @@ class Scheduler:
             self._admit(request)
             rows.append((request, num_new))
             budget -= num_new
+            room -= num_new
             partial += stays_partial
         self.waiting.extendleft(reversed(skipped))
 

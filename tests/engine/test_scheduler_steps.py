@@ -28,11 +28,12 @@ class Step:
 class Harness:
     def __init__(self, *, chunked: bool, max_model_len: int = 64, max_num_seqs: int = 4,
                  budget: int | None = None, threshold: int = 0, partial: int = 1, consecutive: int = 1,
-                 **caps: object) -> None:
+                 overflow: int | None = None, **caps: object) -> None:
         self.config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold,
             max_num_partial_prefills=partial, max_consecutive_prefill_steps=consecutive,
+            whole_prompt_overflow=overflow,
         ).resolve(None)
         self.backend = CountingBackend(max_num_seqs, max_model_len, eos=EOS, **caps)
         self.batch = PersistentBatch(max_num_seqs, max_model_len, max_spec_tokens=8)
@@ -95,6 +96,35 @@ def test_partial_prefill_cap_is_enforced_and_short_prompts_go_ahead() -> None:
         # L1 finishes its prompt this step, so it no longer counts and L2 may start its first chunk.
         Step({"L1": 2, "L2": 4}, {"L1": [11]}, [], ["L2"], ["L1"]),
     ])
+
+
+def test_short_prompts_run_whole_past_the_budget_and_long_ones_are_still_split() -> None:
+    h = Harness(chunked=True, budget=8, overflow=4, max_num_seqs=4)
+    h.add("A", 5, max_tokens=2)
+    h.add("B", 6, max_tokens=2)  # 3 tokens of budget left: runs whole, 11 tokens in all (<= 8 + 4)
+    h.add("C", 3, max_tokens=2)  # 1 token of room left: waits rather than split
+    h.add("L", 10, max_tokens=1)  # longer than a step: split as always
+    h.run([
+        Step({"A": 5, "B": 6}, {"A": [6], "B": [7]}, ["C", "L"], ["A", "B"], []),
+        # Decodes take 2 of 8; C (3) fits the 6 left; L gets the remaining 3 as a chunk.
+        Step({"A": 1, "B": 1, "C": 3, "L": 3}, {"A": [7], "B": [8], "C": [4]}, [], ["C", "L"], ["A", "B"]),
+        Step({"C": 1, "L": 7}, {"C": [5], "L": [11]}, [], [], ["C", "L"]),
+    ])
+    # Without the overflow B is split at the budget.
+    plain = Harness(chunked=True, budget=8, overflow=0, max_num_seqs=4)
+    plain.add("A", 5, max_tokens=2)
+    plain.add("B", 6, max_tokens=2)
+    assert plain.step().scheduled == {"A": 5, "B": 3}
+
+
+def test_whole_prompt_overflow_defaults_on_only_with_the_cpu_default_budget() -> None:
+    from nxdserve.config import DEFAULT_CPU_CHUNKED_BATCHED_TOKENS as CPU
+
+    assert EngineConfig().resolve(None, chunked_token_budget=CPU).whole_prompt_overflow == CPU // 2
+    assert EngineConfig(max_num_batched_tokens=CPU).resolve(None, chunked_token_budget=CPU).whole_prompt_overflow == 0
+    assert EngineConfig().resolve(None).whole_prompt_overflow == 0  # an accelerator's default budget
+    assert EngineConfig(enable_chunked_prefill=False).resolve(None, chunked_token_budget=CPU).whole_prompt_overflow == 0
+    assert EngineConfig(whole_prompt_overflow=16).resolve(None).whole_prompt_overflow == 16
 
 
 def test_partial_prefill_cap_two_allows_two_chunked_prompts() -> None:
