@@ -179,12 +179,13 @@ class Scheduler:
         skipped: list[Request] = []
         # A prompt that fits one step's budget runs whole, up to whole_prompt_overflow tokens past the budget,
         # rather than being split (see config.DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW).
-        room = budget + self.whole_prompt_overflow
-        while self.waiting and room > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
+        overflow = self.whole_prompt_overflow
+        while self.waiting and budget + overflow > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             num_new = self._tokens_to_run(request, max(budget, 0))
             whole = self._tokens_to_run(request, self.token_budget)
-            if num_new < whole <= room and whole == request.num_tokens_with_spec - request.num_computed_tokens:
+            fits = whole <= budget + overflow
+            if num_new < whole and fits and whole == request.num_tokens_with_spec - request.num_computed_tokens:
                 num_new = whole
             stays_partial = num_new < request.num_prompt_tokens
             if stays_partial and partial >= self.max_partial_prefills:
@@ -196,7 +197,6 @@ class Scheduler:
             self._admit(request)
             rows.append((request, num_new))
             budget -= num_new
-            room -= num_new
             partial += stays_partial
         self.waiting.extendleft(reversed(skipped))
 

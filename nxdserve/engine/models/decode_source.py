@@ -347,7 +347,9 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     /* Panel runs for work stealing (gm_panels_steal): 4 GEMMs per layer x nt threads, set up here so that no
        thread needs a barrier to reset them. A GEMM whose x exceeds one row block splits statically. */
     const int64_t gk[4] = {H, NH * D, H, I}, gn[4] = {QKV, H, 2 * I, H};
-    gm_run* runs = nt > 1 ? (gm_run*)aligned_alloc(64, sizeof(gm_run) * 4 * L * nt) : NULL;
+    int steal[4], any_steal = 0;
+    for (int j = 0; j < 4; j++) any_steal |= steal[j] = nt > 1 && gm_stealable(T, gk[j]);
+    gm_run* runs = any_steal ? (gm_run*)aligned_alloc(64, sizeof(gm_run) * 4 * L * nt) : NULL;
     if (runs)
         for (int64_t l = 0; l < L; l++)
             for (int j = 0; j < 4; j++) gm_runs_init(runs + (l * 4 + j) * nt, (gn[j] + GM_NR - 1) / GM_NR, nt);
@@ -364,7 +366,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             const uint16_t *in_norm = p[0], *qkv_w = p[1], *qkv_b = p[2], *o_w = p[3], *o_b = p[4];
             const uint16_t *post_norm = p[5], *gu_w = p[6], *gu_b = p[7], *dn_w = p[8], *dn_b = p[9];
             uint16_t *kc = (uint16_t*)p[10], *vc = (uint16_t*)p[11];
-            for (int j = 0; j < 4; j++) lr[j] = runs && gm_stealable(T, gk[j]) ? runs + (l * 4 + j) * nt : NULL;
+            for (int j = 0; j < 4; j++) lr[j] = runs && steal[j] ? runs + (l * 4 + j) * nt : NULL;
             /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */
             if (in_norm) df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
             else if (thi > tlo) memcpy(h + tlo * H, x + tlo * H, sizeof(uint16_t) * (thi - tlo) * H);
