@@ -136,12 +136,19 @@ def spec_config(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
         return {"method": "ngram", "num_speculative_tokens": args.ngram_k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 5}
     if method == "eagle" or method.startswith("eagle:"):
-        # "eagle:K" or "eagle:K:DIR": compare lookaheads or heads in one interleaved run.
+        # "eagle:K", "eagle:K+A" (A draft alternatives) or "eagle:K:DIR": compare lookaheads, alternatives or
+        # heads in one interleaved run.
         _, *rest = method.split(":", 2)
         head = rest[1] if len(rest) > 1 else args.eagle
         if not head:
             raise SystemExit("--eagle DIR is required for the eagle method (train one with nxdserve train-eagle)")
-        return {"method": "eagle", "model": head, "num_speculative_tokens": int(rest[0]) if rest else k}
+        config: dict[str, Any] = {"method": "eagle", "model": head, "num_speculative_tokens": k}
+        if rest:
+            lookahead, _, alternatives = rest[0].partition("+")
+            config["num_speculative_tokens"] = int(lookahead)
+            if alternatives:
+                config["draft_alternatives"] = int(alternatives)
+        return config
     if method == "self-draft":
         return {"method": "draft_model", "self_draft_layers": args.self_draft_layers, "num_speculative_tokens": k}
     if method == "draft-model":
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", default="plain,ngram,eagle",
-                   help="comma-separated; eagle:K uses lookahead K, eagle:K:DIR also another head folder")
+                   help="comma-separated; eagle:K uses lookahead K, eagle:K+A also A draft alternatives (default 2), "
+                   "eagle:K:DIR another head folder")
     p.add_argument("--workloads", default="grounded,chat")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--num-prompts", type=int, default=4, help="single-stream requests per workload")

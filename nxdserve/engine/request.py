@@ -42,6 +42,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "slot",
+        "spec_alt_ids",
         "spec_token_ids",
         "status",
         "stop_reason",
@@ -67,6 +68,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
+        # Alternatives to spec_token_ids[0] (DraftAlternatives), verified in the same step or dropped.
+        self.spec_alt_ids: list[int] = []
         self.num_computed_tokens = 0
         self.slot: int | None = None
         self.stop_reason: int | str | None = None

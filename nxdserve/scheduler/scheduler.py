@@ -118,6 +118,7 @@ class Scheduler:
             self._freed_since_plan.append(request.slot)
             request.slot = None
         request.spec_token_ids = []
+        request.spec_alt_ids = []
         self.requests.pop(request.request_id, None)
 
     def _admit(self, request: Request) -> None:
@@ -236,6 +237,7 @@ class Scheduler:
         sample = np.empty(n, dtype=bool)
         prefill_tokens = 0
         requests = []
+        alternatives: list[tuple[int, list[int]]] = []
         for i, (request, num_new) in enumerate(rows):
             computed = request.num_computed_tokens
             slots[i] = request.slot
@@ -247,6 +249,9 @@ class Scheduler:
             if drafts:
                 num_drafts[i] = drafts
                 self.batch.set_drafts(request.slot, request.spec_token_ids)  # type: ignore[arg-type]
+                if request.spec_alt_ids:
+                    alternatives.append((i, request.spec_alt_ids))
+            request.spec_alt_ids = []  # verified with this step's drafts, or never
             sample[i] = computed + num_new >= request.num_tokens
             if computed < request.num_prompt_tokens:
                 prefill_tokens += min(num_new, request.num_prompt_tokens - computed)
@@ -265,6 +270,13 @@ class Scheduler:
         self._freed_since_plan = []
         self._taken_since_plan = []
         total = int(num_scheduled.sum())
+        num_alternatives = sum(len(ids) for _, ids in alternatives)
+        # Alternatives run as tokens of the forward: only where the step's budget still has room for them.
+        if num_alternatives and total + num_alternatives <= self.token_budget:
+            table = np.full((n, max(len(ids) for _, ids in alternatives)), -1, dtype=np.int64)
+            for i, ids in alternatives:
+                table[i, : len(ids)] = ids
+            plan.draft_alternatives = table
         return SchedulerOutput(plan, requests, prefill_tokens, total - prefill_tokens)
 
     # -- results -----------------------------------------------------------------------------------

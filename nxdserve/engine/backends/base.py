@@ -38,6 +38,8 @@ class BackendCapabilities:
     fused_spec_methods: frozenset[str] = frozenset()
     # Drafts it can verify in the same forward as plain decode rows.
     supports_draft_verification: bool = True
+    # Verifies alternatives to a row's first draft in the same forward (StepPlan.draft_alternatives).
+    draft_alternatives: bool = False
     global_top_k: int | None = None  # sampling happens within the top global_top_k logits (NxD)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -56,6 +58,10 @@ class StepPlan:
     # Per-row draft-token probabilities (R, max_drafts, V) when a stochastic proposer made the drafts;
     # None means drafts are point proposals (p_draft = 1), as for n-gram or greedy drafting.
     draft_probs: Any = None
+    # (R, A) int64, -1 padded: alternatives to each drafting row's first draft (point proposals too). One of
+    # them is accepted when the first draft is rejected and the target's own token is that alternative; the
+    # row then also emits the target's token after it. None: no row has any.
+    draft_alternatives: np.ndarray | None = None
     # Slots freed or taken since the previous plan, for backends that keep per-slot device state.
     freed_slots: list[int] = field(default_factory=list)
     new_slots: list[int] = field(default_factory=list)

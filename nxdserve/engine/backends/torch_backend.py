@@ -3,7 +3,8 @@
 One ``execute`` = one forward over every scheduled row (decodes, verifications and prefill chunks
 mixed), logits only where they are needed, then the shared ``Sampler``:
 - rows that sample: the last ``1 + num_drafts`` positions (a plain decode: its one position);
-- rows whose request asked for prompt logprobs: every chunk position that predicts a prompt token.
+- rows whose request asked for prompt logprobs: every chunk position that predicts a prompt token;
+- draft alternatives (``StepPlan.draft_alternatives``): their one position each, run after the rows.
 Inputs come from the persistent batch with vectorised numpy; there is no per-row Python work on the
 decode path.
 """
@@ -30,7 +31,7 @@ from nxdserve.engine.backends.base import (
     StepResult,
 )
 from nxdserve.engine.models import SlotModelRunner, resolve_device, resolve_dtype
-from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT
+from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
 from nxdserve.engine.models.cpu_threads import ThreadGovernor
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.errors import ConfigError
@@ -104,6 +105,7 @@ class TorchBackend(Backend):
             mixed_prefill_decode=True,
             chunked_prefill=True,
             supports_draft_verification=True,
+            draft_alternatives=True,
             eos_token_ids=_eos_token_ids(model_path),
         )
         self._batch: PersistentBatch | None = None
@@ -138,6 +140,9 @@ class TorchBackend(Backend):
         token_row = np.repeat(np.arange(rows.num_rows), rows.lens)
         positions = rows.starts[token_row] + np.arange(rows.offsets[-1]) - rows.offsets[token_row]
         token_ids = torch.from_numpy(batch.token_ids[rows.slots[token_row], positions])
+        alts = _Alternatives.from_plan(plan, rows, batch, self.device)
+        if alts is not None:
+            token_ids = torch.cat((token_ids, torch.from_numpy(alts.token_ids)))
 
         t1 = time.perf_counter()
         governor = self.thread_governor
@@ -146,10 +151,21 @@ class TorchBackend(Backend):
             torch.set_num_threads(threads)
         cpu0 = time.thread_time()
         limit = max(DEFAULT_BATCHED_QUERY_LIMIT, rows.width)  # verification rows share the batched SDPA
-        hidden = self.runner.run(token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit)
+        hidden = self.runner.run(
+            token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit,
+            alts=None if alts is None else alts.forward,
+        )  # fmt: skip
         verify_index, verify_valid = rows.verification_positions()
         sampled_hidden = hidden[torch.from_numpy(verify_index[verify_valid]).to(self.device)]
-        logits = self.runner.logits(sampled_hidden) if rows.sampled.size else None
+        alt_logits = None
+        if alts is None:
+            logits = self.runner.logits(sampled_hidden) if rows.sampled.size else None
+        else:  # one pass over the LM head's weights for the rows' positions and the alternatives
+            num_rows_tokens = int(rows.offsets[-1])
+            alt_hidden = hidden[num_rows_tokens:]
+            hidden = hidden[:num_rows_tokens]
+            both = self.runner.logits(torch.cat((sampled_hidden, alt_hidden)))
+            logits, alt_logits = both[: sampled_hidden.shape[0]], both[sampled_hidden.shape[0] :]
         prompt_logprobs = self._prompt_logprobs(batch, hidden, rows)
 
         t2 = time.perf_counter()
@@ -170,6 +186,21 @@ class TorchBackend(Backend):
                 num_sampled[rows.sampled] = out.num_tokens.cpu().numpy()
                 block = out.logprobs
             logprobs = _scatter_rows(block, rows.sampled, rows.num_rows, rows.width)
+        if alts is not None and alt_logits is not None:
+            hits = alts.accepted(out_tokens, num_sampled)
+            if hits.size:
+                rows_hit = alts.row[hits]
+                extra = self.sampler.sample(alt_logits[torch.from_numpy(hits).to(self.device)], rows.slots[rows_hit],
+                                            batch)
+                out_tokens[rows_hit, 1] = extra.token_ids.cpu().numpy()
+                num_sampled[rows_hit] = 2
+                for a in hits.tolist():
+                    alts.forward.install(self.runner.kv_cache, a)
+                # The hit's state replaces the rejected draft's: it is the target's state at that position now.
+                hidden[torch.from_numpy(rows.offsets[rows_hit] + 1).to(self.device)] = alt_hidden[
+                    torch.from_numpy(hits).to(self.device)
+                ]
+                sampled_hidden = hidden[torch.from_numpy(verify_index[verify_valid]).to(self.device)]
         t3 = time.perf_counter()
 
         result = StepResult(
@@ -299,6 +330,49 @@ class _Rows:
         col = np.arange(self.width)[None, :]
         index = self.offsets[self.sampled + 1, None] - num[:, None] + np.minimum(col, num[:, None] - 1)
         return index, col < num[:, None]
+
+
+@dataclass
+class _Alternatives:
+    """A plan's draft alternatives that this step runs: alternative a belongs to plan row ``row[a]``."""
+
+    forward: DraftAlternatives
+    row: np.ndarray  # (A,) int64
+    token_ids: np.ndarray  # (A,) int64
+
+    @classmethod
+    def from_plan(
+        cls, plan: StepPlan, rows: _Rows, batch: PersistentBatch, device: torch.device
+    ) -> _Alternatives | None:
+        table = plan.draft_alternatives
+        if table is None:
+            return None
+        table = np.asarray(table, dtype=np.int64)
+        slots = rows.slots
+        # Only decode rows with a first draft, and only where the extra token after a hit needs no
+        # per-position sampling state (the proposer selects so; this keeps the backend exact regardless).
+        usable = (
+            (rows.drafts > 0)
+            & (rows.lens - rows.drafts == 1)
+            & np.asarray(plan.sample, dtype=bool)
+            & (batch.num_logprobs[slots] < 0)
+            & (batch.num_output_tokens(slots) >= batch.min_tokens[slots])
+            & (batch.presence_penalty[slots] == 0)
+            & (batch.frequency_penalty[slots] == 0)
+            & (batch.repetition_penalty[slots] == 1)
+        )
+        row, col = np.nonzero((table >= 0) & usable[:, None])
+        if row.size == 0:
+            return None
+        positions = rows.starts[row] + 1  # the first draft's position
+        forward = DraftAlternatives(
+            slots=torch.from_numpy(slots[row]).to(device), positions=torch.from_numpy(positions).to(device)
+        )
+        return cls(forward=forward, row=row, token_ids=table[row, col])
+
+    def accepted(self, out_tokens: np.ndarray, num_sampled: np.ndarray) -> np.ndarray:
+        """Alternatives that won: their row rejected its first draft and emitted exactly them."""
+        return np.flatnonzero((num_sampled[self.row] == 1) & (out_tokens[self.row, 0] == self.token_ids))
 
 
 def _eos_token_ids(model_path: Path) -> tuple[int, ...]:

@@ -102,6 +102,29 @@ class _Chunk:
 
 
 @dataclass
+class DraftAlternatives:
+    """Tokens run after a forward's rows as alternatives to some rows' first draft (tree verification of
+    width > 1 at the first draft position). Alternative a stands at ``positions[a]`` (its row's first draft
+    position) of slot ``slots[a]`` and attends that slot's keys before it plus itself: never the row's
+    own draft there, nor the other alternatives. Its K/V never stay in the cache; the forward leaves them
+    in ``kv`` (layers, A, 2, kv_heads, head_dim) so that an accepted alternative's can be installed."""
+
+    slots: torch.Tensor  # (A,) int64, grouped by row
+    positions: torch.Tensor  # (A,) int64
+    kv: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return int(self.slots.shape[0])
+
+    def install(self, kv_cache: SlotKVCache, index: int) -> None:
+        """Write alternative ``index``'s K/V (every layer) at its position: it was accepted."""
+        assert self.kv is not None
+        slot, pos = int(self.slots[index]), int(self.positions[index])
+        kv_cache.data[:, :, slot, :, pos, :] = self.kv[:, index]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one forward, built once and shared by all layers."""
 
@@ -117,6 +140,8 @@ class AttentionMetadata:
     kernel_count: int = 0
     max_slot: int = 0  # bounds the kernel checks against the cache it is given
     max_end: int = 0
+    # Extra tokens after the rows' ``num_tokens`` (see DraftAlternatives); the forward runs both.
+    alts: DraftAlternatives | None = None
 
     @classmethod
     def build(
@@ -368,3 +393,30 @@ def _attend_batched(
         .permute(0, 3, 1, 2, 4)
         .reshape(rows * queries, num_kv_heads * groups * head_dim)
     )
+
+
+def alternatives_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    alts: DraftAlternatives,
+    window: int | None,
+) -> torch.Tensor:
+    """Draft alternatives' attention on the layer path: q (A, Hq, D), k/v (A, Hkv, D) -> (A, Hq * D).
+    Alternative a sees its slot's keys before ``positions[a]`` (within the window) and itself. A few
+    tokens per step at small batch, so a loop of small SDPA calls is fine."""
+    num_alts, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    groups = num_heads // num_kv_heads
+    out = q.new_empty(num_alts, num_heads * head_dim)
+    slots, positions = alts.slots.tolist(), alts.positions.tolist()
+    for a in range(num_alts):
+        pos = positions[a]
+        lo = max(0, pos - window + 1) if window is not None else 0
+        keys = torch.cat((k_cache[slots[a], :, lo:pos], k[a, :, None]), dim=1)  # (Hkv, n, D)
+        values = torch.cat((v_cache[slots[a], :, lo:pos], v[a, :, None]), dim=1)
+        query = q[a].view(num_kv_heads, groups, head_dim)  # GQA folded into the query axis
+        out[a] = F.scaled_dot_product_attention(query, keys, values).reshape(-1)
+    return out

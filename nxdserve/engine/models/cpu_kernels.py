@@ -254,7 +254,7 @@ _SIGNATURES = {
 # x, T, layer pointers, windows, L, final norm, eps, cos, sin, slots, pos, H, NH, NKV, D, I, c_ss, c_sh,
 # bf16 scratch, fp32 scratch, threads (see decode_source)
 _DECODE_FORWARD_SIGNATURE = (
-    [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _ptr, _ptr] + [_i64] * 7 + [_ptr, _ptr, _int]
+    [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _ptr, _ptr] + [_i64] * 7 + [_ptr, _ptr, _i64, _ptr, _int]
 )
 
 

@@ -287,6 +287,22 @@ static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R
 }
 
 /* fp32 scratch per thread: the single-token items' scores, or a block's scores and bf16 weights. */
+/* One token's attention for one KV head: keys lo..ps of kb/vb (lo from the sliding window, if any). */
+static void df_attend_one(const uint16_t* qr, const uint16_t* kb, const uint16_t* vb, int64_t ps, int64_t window,
+                          int64_t G, int64_t D, float scale, float* sc, uint16_t* o) {
+    int64_t lo = (window > 0 && ps - window + 1 > 0) ? ps - window + 1 : 0;
+    const uint16_t* kl = kb + lo * D;
+    const uint16_t* vl = vb + lo * D;
+    int64_t n = ps + 1 - lo;
+    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, n, scale, sc, o);
+    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, sc, o);
+    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, sc, o);
+    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, sc, o);
+    else if (D == 64) item_bf16_64(qr, D, kl, vl, n, G, D, scale, sc, o);
+    else if (D == 128) item_bf16_128(qr, D, kl, vl, n, G, D, scale, sc, o);
+    else item_bf16_any(qr, D, kl, vl, n, G, D, scale, sc, o);
+}
+
 int64_t decode_forward_scratch(int64_t G, int64_t maxctx) {
     int64_t block = DF_BLOCK_TOKENS * G * df_np(maxctx) * 3 / 2;
     return (block > G * maxctx ? block : G * maxctx) + 16;
@@ -313,13 +329,17 @@ static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16
    A NULL input-norm pointer in the table means no input norm (an EAGLE-1 head's layer).
    cos/sin (T, D): the tokens' RoPE rows.
    Token t writes its K/V at (slots[t], pos[t]) and attends to keys lo..pos[t] of that slot.
-   ws: bf16 scratch of T * (H + QKV + NH*D + 3I + 12); fs: fp32 scratch of nthreads *
+   The last A tokens are draft alternatives: each sees keys lo..pos[t] - 1 of its slot plus its own K/V, which
+   it only borrows cache position pos[t] for (that position's K/V is put back after the layer's attention);
+   their K/V go to alt_kv (L, A, 2, NKV, D) instead, for the caller to install if one is accepted.
+   ws: bf16 scratch of T * (H + QKV + NH*D + 3I + 20); fs: fp32 scratch of nthreads *
    decode_forward_scratch(G, max pos + 1). */
 void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, const int64_t* windows, int64_t L,
                          const uint16_t* final_norm, float eps, const uint16_t* cos, const uint16_t* sin,
                          const int64_t* slots, const int64_t* pos, int64_t H, int64_t NH, int64_t NKV, int64_t D,
-                         int64_t I, int64_t c_ss, int64_t c_sh, uint16_t* ws, float* fs, int nthreads) {
-    const int64_t G = NH / NKV, NHEADS = NH + 2 * NKV, QKV = NHEADS * D, half = D / 2;
+                         int64_t I, int64_t c_ss, int64_t c_sh, uint16_t* ws, float* fs, int64_t A,
+                         uint16_t* alt_kv, int nthreads) {
+    const int64_t G = NH / NKV, NHEADS = NH + 2 * NKV, QKV = NHEADS * D, half = D / 2, TM = T - A;
     const float scale = 1.f / sqrtf((float)D);
     int64_t maxctx = 1;
     for (int64_t t = 0; t < T; t++) if (pos[t] + 1 > maxctx) maxctx = pos[t] + 1;
@@ -332,15 +352,23 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
        largest first so that the dynamic schedule does not end on a long one. The table lives in the
        caller's scratch after act: 3T int64 (12T bf16 slots). */
     int64_t nblk = 0, *blk_t = (int64_t*)(act + T * I), *blk_n = blk_t + T, *blk_cost = blk_n + T;
-    for (int64_t t = 0; t < T;) {
+    for (int64_t t = 0; t < TM;) {
         int64_t e = t + 1;
-        while (e < T && e - t < DF_BLOCK_TOKENS && slots[e] == slots[t] && pos[e] == pos[e - 1] + 1) e++;
+        while (e < TM && e - t < DF_BLOCK_TOKENS && slots[e] == slots[t] && pos[e] == pos[e - 1] + 1) e++;
         int64_t b = nblk++, cost = (e - t) * (pos[e - 1] + 1);
         while (b > 0 && blk_cost[b - 1] < cost) {
             blk_t[b] = blk_t[b - 1]; blk_n[b] = blk_n[b - 1]; blk_cost[b] = blk_cost[b - 1]; b--;
         }
         blk_t[b] = t; blk_n[b] = e - t; blk_cost[b] = cost;
         t = e;
+    }
+    /* Alternatives by slot: groups of consecutive alternatives of one row share the borrowed position. */
+    int64_t ngrp = 0, *grp_a = blk_cost + T, *grp_n = grp_a + T;
+    for (int64_t a = 0; a < A;) {
+        int64_t e = a + 1;
+        while (e < A && slots[TM + e] == slots[TM + a] && pos[TM + e] == pos[TM + a]) e++;
+        grp_a[ngrp] = a; grp_n[ngrp++] = e - a;
+        a = e;
     }
     const int64_t per_thread = decode_forward_scratch(G, maxctx);
     int nt = nthreads < 1 ? 1 : nthreads;
@@ -389,7 +417,8 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 }
                 if (hd >= NH) {
                     int64_t kv = hd < NH + NKV ? hd - NH : hd - NH - NKV;
-                    uint16_t* c = (hd < NH + NKV ? kc : vc) + slots[t] * c_ss + kv * c_sh + pos[t] * D;
+                    uint16_t* c = t < TM ? (hd < NH + NKV ? kc : vc) + slots[t] * c_ss + kv * c_sh + pos[t] * D
+                                         : alt_kv + ((l * A + t - TM) * 2 + (hd >= NH + NKV)) * NKV * D + kv * D;
                     memcpy(c, o, sizeof(uint16_t) * D);
                 }
             }
@@ -410,20 +439,29 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                     df_block64(qp, op, nb * G, G, kb, vb, pos[t0] + 1, scale, sc, (uint16_t*)wb);
                     continue;
                 }
-                for (int64_t t = t0; t < t0 + nb; t++) {
-                    int64_t ps = pos[t];
-                    int64_t lo = (windows[l] > 0 && ps - windows[l] + 1 > 0) ? ps - windows[l] + 1 : 0;
-                    const uint16_t* kl = kb + lo * D;
-                    const uint16_t* vl = vb + lo * D;
-                    const uint16_t* qr = qkv + t * QKV + kv * G * D;
-                    uint16_t* o = attn + t * NH * D + kv * G * D;
-                    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, ps + 1 - lo, scale, sc, o);
-                    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, ps + 1 - lo, scale, sc, o);
-                    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, ps + 1 - lo, scale, sc, o);
-                    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, ps + 1 - lo, scale, sc, o);
-                    else if (D == 64) item_bf16_64(qr, D, kl, vl, ps + 1 - lo, G, D, scale, sc, o);
-                    else if (D == 128) item_bf16_128(qr, D, kl, vl, ps + 1 - lo, G, D, scale, sc, o);
-                    else item_bf16_any(qr, D, kl, vl, ps + 1 - lo, G, D, scale, sc, o);
+                for (int64_t t = t0; t < t0 + nb; t++)
+                    df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, pos[t], windows[l], G, D, scale, sc,
+                                  attn + t * NH * D + kv * G * D);
+            }
+            /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back. */
+            if (ngrp) {
+                _Pragma("omp for schedule(static)")
+                for (int64_t it = 0; it < ngrp * NKV; it++) {
+                    int64_t g = it / NKV, kv = it % NKV, t0 = TM + grp_a[g], ps = pos[t0];
+                    uint16_t* kb = kc + slots[t0] * c_ss + kv * c_sh;
+                    uint16_t* vb = vc + slots[t0] * c_ss + kv * c_sh;
+                    uint16_t ksave[256], vsave[256];
+                    memcpy(ksave, kb + ps * D, sizeof(uint16_t) * D);
+                    memcpy(vsave, vb + ps * D, sizeof(uint16_t) * D);
+                    for (int64_t t = t0; t < t0 + grp_n[g]; t++) {
+                        const uint16_t* own = alt_kv + (l * A + t - TM) * 2 * NKV * D + kv * D;
+                        memcpy(kb + ps * D, own, sizeof(uint16_t) * D);
+                        memcpy(vb + ps * D, own + NKV * D, sizeof(uint16_t) * D);
+                        df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, ps, windows[l], G, D, scale, sc,
+                                      attn + t * NH * D + kv * G * D);
+                    }
+                    memcpy(kb + ps * D, ksave, sizeof(uint16_t) * D);
+                    memcpy(vb + ps * D, vsave, sizeof(uint16_t) * D);
                 }
             }
             /* 4. Output projection plus the residual, in place on x (this thread's columns). */

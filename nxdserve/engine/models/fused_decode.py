@@ -76,7 +76,7 @@ class FusedDecode:
             self.supported_model
             and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu"
-            and 0 < meta.num_tokens <= MAX_TOKENS
+            and 0 < meta.num_tokens + (0 if meta.alts is None else meta.alts.count) <= MAX_TOKENS
             # The C code trusts its indices: rows outside this cache take the checked torch path.
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
@@ -135,21 +135,31 @@ class FusedDecode:
         lib = cpu_kernels._library()
         assert lib is not None and x.is_contiguous()
         table, windows = self._layer_table(kv_cache)
-        t = meta.num_tokens
-        cos = self.rope.cos.index_select(0, meta.positions)
-        sin = self.rope.sin.index_select(0, meta.positions)
+        alts = meta.alts
+        num_alts = 0 if alts is None else alts.count
+        t = meta.num_tokens + num_alts
+        positions, write_slots = meta.positions, meta.write_slots
+        alt_kv = 0
+        if alts is not None:  # they follow the rows' tokens in x (see DraftAlternatives)
+            assert alts.kv is not None and alts.kv.dtype == torch.bfloat16 and alts.kv.is_contiguous()
+            positions = torch.cat((positions, alts.positions))
+            write_slots = torch.cat((write_slots, alts.slots))
+            alt_kv = alts.kv.data_ptr()
+        assert x.shape[0] == t
+        cos = self.rope.cos.index_select(0, positions)
+        sin = self.rope.sin.index_select(0, positions)
         threads = torch.get_num_threads()
         qkv = s.q_size + 2 * s.kv_size
-        # + 12 per token: the attention block table (3 int64 per token) after the activations
-        work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size + 12), torch.bfloat16)
+        # + 20 per token: the attention block and alternative group tables (5 int64 per token) after the activations
+        work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size + 20), torch.bfloat16)
         per_thread = lib.decode_forward_scratch(s.num_heads // s.num_kv_heads, meta.max_end)
         scratch = self._buffer(1, threads * per_thread, torch.float32)
         k_cache, _ = kv_cache.layer(0)
         final_norm = None if self.final_norm is None else self.final_norm.weight.data_ptr()
         lib.decode_forward_bf16(
             x.data_ptr(), t, table, windows, len(self.layers), final_norm, self.eps,
-            cos.data_ptr(), sin.data_ptr(), meta.write_slots.data_ptr(), meta.positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), write_slots.data_ptr(), positions.data_ptr(),
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
-            k_cache.stride(0), k_cache.stride(1), work.data_ptr(), scratch.data_ptr(), threads,
+            k_cache.stride(0), k_cache.stride(1), work.data_ptr(), scratch.data_ptr(), num_alts, alt_kv, threads,
         )  # fmt: skip
         return x

@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdserve.engine.models import cpu_kernels
-from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache, slot_attention
+from nxdserve.engine.models.attention import (
+    AttentionMetadata,
+    SlotKVCache,
+    alternatives_attention,
+    slot_attention,
+)
 from nxdserve.engine.models.fused_decode import FusedDecode
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
@@ -57,11 +62,14 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, window: int | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: ModelSpec, window: int | None, dtype: torch.dtype, device: torch.device, index: int = 0
+    ) -> None:
         super().__init__()
         s, kw = spec, {"dtype": dtype, "device": device}
         self.spec = spec
         self.window = window
+        self.index = index  # in its stack: where its draft alternatives' K/V go
         self.input_norm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
         self.qkv_weight = _param(s.q_size + 2 * s.kv_size, s.hidden_size, **kw)
         self.qkv_bias = _param(s.q_size + 2 * s.kv_size, **kw) if s.qkv_bias else None
@@ -100,10 +108,30 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, : s.q_size].view(t, s.num_heads, s.head_dim))
             k = self.k_norm(qkv[:, s.q_size : s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = slot_attention(q, k, v, k_cache, v_cache, meta, self.window)
+        attn = self._attend(q, k, v, k_cache, v_cache, meta)
         x = linear(attn, self.o_weight, self.o_bias, residual=x)
         gate, up = linear(self.post_norm(x), self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return linear(self.act(gate) * up, self.down_weight, self.down_bias, residual=x)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        alts = meta.alts
+        if alts is None:
+            return slot_attention(q, k, v, k_cache, v_cache, meta, self.window)
+        n = meta.num_tokens  # the rows' tokens; the alternatives follow them
+        rows = slot_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, self.window)
+        extra = alternatives_attention(q[n:], k[n:], v[n:], k_cache, v_cache, alts, self.window)
+        assert alts.kv is not None
+        alts.kv[self.index, :, 0] = k[n:]
+        alts.kv[self.index, :, 1] = v[n:]
+        return torch.cat((rows, extra))
 
     def _fusable(self, x: torch.Tensor) -> bool:
         return (
@@ -136,7 +164,7 @@ class DecoderLayer(nn.Module):
         q = qkv[:, : s.q_size].view(t, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size : s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
-        attn = slot_attention(q, k, v, k_cache, v_cache, meta, self.window)
+        attn = self._attend(q, k, v, k_cache, v_cache, meta)
         o = linear(attn, self.o_weight, self.o_bias)
         x, h = cpu_kernels.rms_norm(x, self.post_norm.weight, self.post_norm.eps, delta=o)
         act = cpu_kernels.silu_mul(linear(h, self.gate_up_weight, self.gate_up_bias))
@@ -156,7 +184,9 @@ class LlamaFamilyModel(nn.Module):
         self.max_len = max_len or spec.max_position_embeddings
         kw = {"dtype": dtype, "device": device}
         self.embed_weight = _param(spec.vocab_size, spec.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(spec, w, dtype, device) for w in spec.sliding_windows)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, w, dtype, device, index=i) for i, w in enumerate(spec.sliding_windows)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         # Tied embeddings share one tensor; untied heads get their own.
         self.lm_head_weight = (
@@ -194,11 +224,18 @@ class LlamaFamilyModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
-        """token_ids (T,) -> final-norm hidden states (T, hidden)."""
+        """token_ids (T,) -> final-norm hidden states (T, hidden). T counts ``meta.alts`` after the rows."""
+        alts = meta.alts
+        if alts is not None:
+            s = self.spec
+            alts.kv = torch.empty(
+                s.num_layers, alts.count, 2, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device
+            )
         if self.fused_decode.accepts(token_ids, meta, kv_cache):
             return self.fused_decode.forward(token_ids, meta, kv_cache)
         x = F.embedding(token_ids, self.embed_weight)
-        cos, sin = self.rope.gather(meta.positions)
+        positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
+        cos, sin = self.rope.gather(positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             x = layer(x, cos, sin, k_cache, v_cache, meta)

@@ -11,7 +11,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, AttentionMetadata, SlotKVCache
+from nxdserve.engine.models.attention import (
+    DEFAULT_BATCHED_QUERY_LIMIT,
+    AttentionMetadata,
+    DraftAlternatives,
+    SlotKVCache,
+)
 from nxdserve.engine.models.llama import LlamaFamilyModel
 
 
@@ -67,15 +72,22 @@ class SlotModelRunner:
         row_starts: np.ndarray,
         row_lens: np.ndarray,
         batched_query_limit: int | None = None,
+        alts: DraftAlternatives | None = None,
     ) -> torch.Tensor:
         """Run rows r = ``row_lens[r]`` tokens of slot ``row_slots[r]`` from position ``row_starts[r]``.
 
-        ``token_ids`` (T,) is the rows' tokens concatenated in row order. Their K/V are written into
-        the slots' cache lines; returns final-norm hidden states (T, hidden) in the model dtype.
+        ``token_ids`` (T,) is the rows' tokens concatenated in row order, then ``alts``' tokens if given.
+        The rows' K/V are written into the slots' cache lines (the alternatives' go to ``alts.kv``);
+        returns final-norm hidden states (T, hidden) in the model dtype.
         """
         meta = self.metadata(row_slots, row_starts, row_lens, batched_query_limit)
-        if token_ids.shape[0] != meta.num_tokens:
-            raise ValueError(f"{token_ids.shape[0]} token ids for rows totalling {meta.num_tokens} tokens")
+        if alts is not None:
+            if int(alts.slots.max()) >= self.num_slots or int(alts.positions.max()) >= self.max_len:
+                raise ValueError("a draft alternative lies outside the KV cache")
+            meta.alts = alts
+        expected = meta.num_tokens + (0 if alts is None else alts.count)
+        if token_ids.shape[0] != expected:
+            raise ValueError(f"{token_ids.shape[0]} token ids for rows and alternatives totalling {expected} tokens")
         return self.model(token_ids.to(self.device), meta, self.kv_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,8 @@ def create_proposer(config: EngineConfig, backend: Backend, files: Any) -> Specu
             assert spec.model is not None
             head = load_eagle_head(spec.model, _draft_dtype(spec, target), target.device, max_model_len)
             proposer = EagleProposer(spec, max_model_len, num_slots, head, target)
+            if not caps.draft_alternatives:
+                proposer.num_alternatives = 0
             backend.keep_hidden_states = True  # type: ignore[attr-defined]
     device = getattr(getattr(backend, "device", None), "type", "cpu")
     if device != "cpu":  # the policy's CPU clock would miss asynchronous accelerator work

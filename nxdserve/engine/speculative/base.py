@@ -60,6 +60,8 @@ class SpeculativeProposer(abc.ABC):
         self.stats = SpecStats(self.k)
         self.policy = BatchSizePolicy(spec.disable_by_batch_size)
         self.failures = 0  # proposer exceptions caught (each costs one step its drafts)
+        # Set by ``draft`` when it proposes alternatives to first drafts: (R, A) int64, -1 padded.
+        self.alternatives: np.ndarray | None = None
 
     # -- the Proposer protocol ---------------------------------------------------------------------
     def propose(
@@ -76,6 +78,7 @@ class SpeculativeProposer(abc.ABC):
                                  self.method)
             for request in requests:
                 request.spec_token_ids = []
+                request.spec_alt_ids = []
         self.stats.maybe_log()
 
     def _propose(
@@ -92,10 +95,14 @@ class SpeculativeProposer(abc.ABC):
         rows = self.select(decoding)
         if rows is None:
             return
+        self.alternatives = None
         drafts, lengths = self.draft(rows, batch)
+        alternatives = self.alternatives
         for i, request in enumerate(rows.requests):
             n = int(lengths[i])
             request.spec_token_ids = drafts[i, :n].tolist() if n > 0 else []
+            if alternatives is not None and n > 0:
+                request.spec_alt_ids = [t for t in alternatives[i].tolist() if t >= 0]
 
     # -- shared rules ------------------------------------------------------------------------------
     def select(self, decoding: list[Request]) -> DraftRows | None:

@@ -6,11 +6,13 @@ Accepted forms (vLLM's spelling)::
     {"method": "draft_model", "model": "/path/to/small-llama", "num_speculative_tokens": 4}
     {"method": "draft_model", "self_draft_layers": 6, "num_speculative_tokens": 3}   # nxdserve extra
     {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 3}
+    {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 1, "draft_alternatives": 2}
 
 ``self_draft_layers`` builds the draft from the target's first N decoder layers plus its final norm
 and LM head (no extra weights). ``disable_by_batch_size`` (vLLM V0's knob) turns drafting off while
 more requests than that are decoding; left unset, it is derived from the backend's measured step
-costs (see ``policy.py``).
+costs (see ``policy.py``). ``draft_alternatives`` (nxdserve extra, EAGLE only, default 2) verifies the
+head's next-best guesses for the first draft beside it, in the same forward (``eagle.py``).
 
 Checks that need the target (vocabulary, context length, layer count) run in ``validate_target``;
 ``from_dict`` alone already catches everything the JSON itself gets wrong, so the CLI can call it
@@ -33,6 +35,10 @@ METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
 # vLLM's n-gram defaults when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
+# EAGLE's first draft also carries the head's next-best tokens as alternatives (see DraftAlternatives):
+# the default and the most (each costs a token of the target's forward).
+DEFAULT_EAGLE_ALTERNATIVES = 2
+MAX_DRAFT_ALTERNATIVES = 7
 
 _KEYS = frozenset(
     {
@@ -44,6 +50,7 @@ _KEYS = frozenset(
         "self_draft_layers",
         "disable_by_batch_size",
         "draft_dtype",
+        "draft_alternatives",
     }
 )
 
@@ -74,6 +81,7 @@ class SpeculativeConfig:
     self_draft_layers: int | None = None
     disable_by_batch_size: int | None = None  # None: derived from measured costs
     draft_dtype: str | None = None  # None: the target's dtype
+    draft_alternatives: int = 0  # EAGLE: the head's next-best tokens verified beside its first draft
 
     @classmethod
     def from_dict(
@@ -149,6 +157,12 @@ class SpeculativeConfig:
         if draft_dtype is not None and draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise _spec_error(f"draft_dtype must be auto, float32, bfloat16 or float16, got {draft_dtype!r}.")
 
+        alternatives = _int_field(d, "draft_alternatives", 0, MAX_DRAFT_ALTERNATIVES)
+        if alternatives and method != "eagle":
+            raise _spec_error(f"draft_alternatives only applies to method 'eagle', not {method!r}.")
+        if alternatives is None:
+            alternatives = DEFAULT_EAGLE_ALTERNATIVES if method == "eagle" else 0
+
         config = cls(
             method=method,
             num_speculative_tokens=k,
@@ -158,6 +172,7 @@ class SpeculativeConfig:
             self_draft_layers=self_layers,
             disable_by_batch_size=_int_field(d, "disable_by_batch_size", 1),
             draft_dtype=None if draft_dtype in (None, "auto") else draft_dtype,
+            draft_alternatives=alternatives,
         )
         if model is not None:
             config._check_model_folder()

@@ -19,6 +19,14 @@ observation that a draft head's confidence tracks its acceptance rate). Every pr
 verification row in the target (and a chained head step), so a guess that is likely rejected makes
 the step slower for nothing; a row whose first draft is unsure decodes plainly.
 
+Alternatives (``draft_alternatives``, tree verification of width 1 + A at the first draft): the head's
+next-best tokens for draft 1 ride along as extra tokens of the target's forward (``DraftAlternatives``).
+When draft 1 is rejected and the target's own token is one of them, the row gains the target's token
+after it, as if that alternative had been draft 1. On SmolLM2-135M chat the head's top-1 guess is right
+40% of the time and its top-3 60%; at small batch the forward's few extra tokens cost little, since the
+weights are read once for all of them. Only up to ``ALTERNATIVES_MAX_BATCH`` decoding requests, and only
+for requests whose extra token needs no per-position state (no logprobs, min_tokens already met).
+
 A head trained with a truncated draft vocabulary (``draft_vocab_ids``) scores only those ids: the LM
 head is the largest matmul of a draft step, so this makes drafting several times cheaper on CPU.
 """
@@ -59,6 +67,11 @@ DEFAULT_MIN_DRAFT_CONFIDENCE = 0.1
 # which at batch 32 on SmolLM2-135M was ~10% of a plain step; requests whose cache misses a step never
 # draft again (their drafts would read a hole), so this trades their later drafts for the large batch.
 SYNC_WHILE_OFF_MAX_BATCH = 16
+# Draft alternatives ride along only while at most this many requests decode: beyond it the extra tokens
+# add GEMM work that a rare hit does not repay (see docs/speculative.md).
+ALTERNATIVES_MAX_BATCH = 4
+# An alternative below this head probability is not worth its token.
+ALTERNATIVE_MIN_PROB = 0.02
 
 
 class EagleProposer(SpeculativeProposer):
@@ -105,6 +118,8 @@ class EagleProposer(SpeculativeProposer):
         self.last_pos = np.full(num_slots, -1, dtype=np.int64)
         self.owners: list[str | None] = [None] * num_slots
         self._warned_missing = False
+        self.num_alternatives = spec.draft_alternatives  # 0 where the backend cannot verify them
+        self._alternatives_now = False
         self.stale = np.zeros(num_slots, dtype=bool)  # the slot's head cache missed a step: no more drafts
         # The head's attention always runs through the CPU slot-attention kernel when it can (it needs only
         # each token's slot and position), so its metadata is made directly instead of by
@@ -119,6 +134,7 @@ class EagleProposer(SpeculativeProposer):
     ) -> None:
         decoding = [r for r in requests if r.slot is not None and r.num_computed_tokens == r.num_tokens - 1]
         drafting = self.policy.should_draft(len(decoding))
+        self._alternatives_now = self.num_alternatives > 0 and len(decoding) <= ALTERNATIVES_MAX_BATCH
         if drafting or len(decoding) <= SYNC_WHILE_OFF_MAX_BATCH:
             self.sync(batch, sched, result)
         else:  # see SYNC_WHILE_OFF_MAX_BATCH
@@ -195,9 +211,12 @@ class EagleProposer(SpeculativeProposer):
         if active.size == 0:
             return drafts, lengths
         h = self.last_hidden.index_select(0, torch.from_numpy(slots[active]).to(self.device))
-        current, conf = self._argmax(h)
+        current, conf, alternatives = self._first_drafts(h, rows, active)
         confidence = conf.cpu().numpy()
         drafts[active, 0] = current.cpu().numpy()
+        if alternatives is not None:
+            self.alternatives = np.full((slots.size, alternatives.shape[1]), -1, dtype=np.int64)
+            self.alternatives[active] = alternatives
         # Draft 1 needs min_first_confidence; draft j >= 2 needs the product over drafts 1..j at
         # min_confidence, so a chain step runs only while that product still allows it.
         lengths[active] = np.where(confidence >= self.min_first_confidence, 1, 0)
@@ -255,6 +274,25 @@ class EagleProposer(SpeculativeProposer):
             num_tokens=count, positions=positions, write_slots=write_slots, batched=None, chunks=[],
             use_kernel=True, kernel_select=None, kernel_count=count, max_slot=max_slot, max_end=max_end,
         )  # fmt: skip
+
+    def _first_drafts(
+        self, hidden: torch.Tensor, rows: DraftRows, active: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+        """Draft 1 as ``_argmax`` gives it, plus (len(active), A) alternatives, -1 padded (None: none)."""
+        if not self._alternatives_now:
+            return (*self._argmax(hidden), None)
+        probs = torch.softmax(linear(hidden, self.lm_weight).float(), dim=-1)
+        top_p, top = probs.topk(min(1 + self.num_alternatives, probs.shape[-1]), dim=-1)
+        if self.vocab_ids is not None:
+            top = self.vocab_ids[top]
+        alternatives = np.where(top_p[:, 1:].cpu().numpy() >= ALTERNATIVE_MIN_PROB, top[:, 1:].cpu().numpy(), -1)
+        # The row's extra token after an accepted alternative is sampled without per-position state.
+        eligible = np.fromiter(
+            (r.params.logprobs is None and r.num_output_tokens >= r.params.min_tokens
+             for r in (rows.requests[i] for i in active)), dtype=bool, count=active.size,
+        )  # fmt: skip
+        alternatives[~eligible] = -1
+        return top[:, 0], top_p[:, 0], alternatives
 
     def _argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy draft ids (full vocabulary) and the head's probability for them."""
