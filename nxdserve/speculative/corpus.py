@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -109,3 +110,54 @@ def generate_corpus(
     core.proposer = None
     core.backend.keep_hidden_states = False
     return corpus
+
+
+# (prompts as token ids, max new tokens, temperature, seed) -> each prompt's continuation, eos included.
+Generate = Callable[[list[list[int]], int, float, int], list[list[int]]]
+
+
+def engine_generate(core: Any) -> Generate:
+    """``Generate`` through an EngineCore (the CPU path of train-eagle)."""
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
+        pending: dict[str, int] = {}
+        for i, ids in enumerate(prompts):
+            params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                                    seed=seed + i if temperature else None)
+            params.output_kind = OutputKind.FINAL_ONLY
+            request = core.make_request(ids, params)
+            core.add_request(request)
+            pending[request.request_id] = i
+        out: list[list[int]] = [[] for _ in prompts]
+        while core.has_unfinished:
+            for result in core.step():
+                if result.finished:
+                    out[pending.pop(result.request_id)] = list(result.outputs[0].token_ids)
+        return out
+
+    return generate
+
+
+def self_written_prompts(
+    tokenizer: Any, generate: Generate, count: int, eos_ids: frozenset[int], seed: int
+) -> list[str]:
+    """``count`` user questions written by the target itself: the chat template up to a user turn, sampled at
+    temperature 1. More varied than any fixed prompt set, and in the target's own domain."""
+    marker = "\u2063QUESTION\u2063"
+    rendered = str(tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                                 add_generation_prompt=False))
+    prefix = list(tokenizer.encode(rendered[: rendered.index(marker)], add_special_tokens=False))
+    texts: list[str] = []
+    seen: set[str] = set()
+    for attempt in range(4):
+        if len(texts) >= count:
+            break
+        for tokens in generate([prefix] * (count - len(texts)), 64, 1.0, seed + 7919 * attempt):
+            if not tokens or tokens[-1] not in eos_ids:
+                continue  # ran past 64 tokens without ending its turn: rambling, not a question
+            text = tokenizer.decode(tokens[:-1], skip_special_tokens=True).strip()
+            if 12 <= len(text) <= 300 and text not in seen:
+                seen.add(text)
+                texts.append(text)
+    logger.info("the target wrote %d prompts", len(texts))
+    return texts[:count]

@@ -60,6 +60,12 @@ class Batch:
             prompt_len=torch.tensor([s.prompt_len for s in seqs]),
         )
 
+    def to(self, device: torch.device) -> Batch:
+        if device.type == "cpu":
+            return self
+        return Batch(self.tokens.to(device), self.features.to(device), self.num_pairs.to(device),
+                     self.prompt_len.to(device))
+
 
 def _pass_mask(num_positions: int, depth: int, device: torch.device) -> torch.Tensor:
     """(P, (depth + 1) * P) bool: which keys pass ``depth``'s queries see (see the module docstring)."""
@@ -122,7 +128,7 @@ def distill_loss(
     formed for scored positions only, ``chunk`` rows at a time (a full 49k vocabulary over a whole
     batch would not fit comfortably in memory)."""
     target = batch.features[:, 1:]  # f_{p+1} for p = 0..P-2
-    positions = torch.arange(target.shape[1])[None, :]
+    positions = torch.arange(target.shape[1], device=target.device)[None, :]
     total = outputs[0].new_zeros(())
     logs: dict[str, float] = {}
     weights = pass_weights or [1.0] * len(outputs)
@@ -166,15 +172,18 @@ def acceptance(
     round, vLLM's definition) and the per-position acceptance rates."""
     accepted_per_pos = np.zeros(k, dtype=np.int64)
     rounds = 0
+    device = embed_weight.device
     for i in range(0, len(seqs), batch_size):
         batch = Batch.build(seqs[i : i + batch_size])
+        on_device = batch.to(device)
         # In the head's own dtype: a bf16 head is what serving runs, and its rounding moves near-ties.
-        embeds = F.embedding(batch.tokens[:, 1:], embed_weight).to(head.dtype)
-        outputs = unrolled_forward(head, embeds, batch.features.to(head.dtype), depth=k - 1)
+        embeds = F.embedding(on_device.tokens[:, 1:], embed_weight).to(head.dtype)
+        outputs = unrolled_forward(head, embeds, on_device.features.to(head.dtype), depth=k - 1)
         preds = []
         for h in outputs:
             best = F.linear(h, lm_weight.to(h.dtype)).argmax(-1)
-            preds.append(best if vocab_ids is None else vocab_ids[best])
+            best = best if vocab_ids is None else vocab_ids.to(device)[best]
+            preds.append(best.cpu())
         tokens = batch.tokens
         num_positions = tokens.shape[1] - 1
         for b in range(tokens.shape[0]):

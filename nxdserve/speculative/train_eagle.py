@@ -38,8 +38,16 @@ from nxdserve.engine.speculative.eagle_head import (
     save_eagle_head,
 )
 from nxdserve.errors import NxdServeError
-from nxdserve.speculative.corpus import Sequence, generate_corpus, load_prompts
+from nxdserve.speculative.corpus import (
+    Generate,
+    Sequence,
+    engine_generate,
+    generate_corpus,
+    load_prompts,
+    self_written_prompts,
+)
 from nxdserve.speculative.distill import Batch, acceptance, distill_loss, unrolled_forward
+from nxdserve.speculative.hf_corpus import generate_corpus_hf, generate_tokens
 
 logger = logging.getLogger("nxdserve.train_eagle")
 
@@ -96,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the generated corpus from this .pt file if it exists, else save it there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="cpu",
+                   help="where to generate and train: cpu (the engine itself generates) or an accelerator such as "
+                   "cuda (transformers generates; the same recipe at a larger scale in minutes)")
+    p.add_argument("--generator", choices=("auto", "engine", "transformers"), default="auto",
+                   help="what generates the data: nxdserve's engine (auto on CPU: features exactly as served) or "
+                   "transformers (auto on an accelerator)")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="add this many prompts written by the target itself (sampled user turns) to the training "
+                   "set: more varied data than the shipped prompt set")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -115,9 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from nxdserve.config import EngineConfig
-    from nxdserve.engine.loader import build_engine_core
-
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -128,10 +142,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         prompts = prompts[: args.num_prompts]
     rng.shuffle(prompts)
     num_heldout = max(1, int(len(prompts) * args.heldout)) if len(prompts) > 1 else 0
-    config = EngineConfig(model=args.model, backend="torch", dtype=args.dtype, max_model_len=args.max_model_len,
-                          max_num_seqs=args.gen_batch)
-    core, files = build_engine_core(config, with_metrics=False)
-    target = core.backend.runner.model  # type: ignore[attr-defined]
+    target = _Target.load(args)
 
     # 1. Self-generated text with the target's features.
     # A greedy answer per prompt (what greedy serving sees), plus sampled ones for more data.
@@ -140,12 +151,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if cache is not None and cache.is_file():
         corpus = [Sequence(**item) for item in torch.load(cache, weights_only=False)]
     else:
+        if args.self_prompts:  # after the held-out split: the target's own prompts are all trained on
+            prompts = prompts + self_written_prompts(target.tokenizer, target.generate, args.self_prompts,
+                                                     target.eos_ids, args.seed)
         corpus = []
         with tqdm(total=len(prompts) * len(temperatures), desc="generating", unit="answer",
                   disable=args.no_progress) as bar:
             for i, temperature in enumerate(temperatures):
-                corpus += generate_corpus(core, prompts, args.max_new_tokens, progress=bar,
-                                          temperature=temperature, seed=args.seed + 100_003 * i)
+                corpus += target.corpus(prompts, args, temperature, args.seed + 100_003 * i, bar)
         if cache is not None:
             torch.save([vars(s) for s in corpus], cache)
     corpus.sort(key=lambda s: s.tokens.tolist())  # completion order varies with timing; fix it, then shuffle
@@ -158,31 +171,32 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     logger.info("generated %d responses (%d tokens) in %.0f s", len(corpus), num_tokens, gen_seconds)
 
     # 2. Draft vocabulary.
-    vocab_size = target.vocab_size
+    device = target.embed_weight.device
+    vocab_size = int(target.lm_head_weight.shape[0])
     vocab_ids = draft_vocabulary(train_set, args.draft_vocab_size, vocab_size)
     coverage = vocab_coverage(heldout, vocab_ids)
     embed = target.embed_weight.detach().float()
     lm_full = target.lm_head_weight.detach().float()
-    lm_weight = lm_full if vocab_ids is None else lm_full.index_select(0, vocab_ids)
+    lm_weight = lm_full if vocab_ids is None else lm_full.index_select(0, vocab_ids.to(device))
 
     # 3. The head: trained here, or (--retune) the one already in --out.
     train_started = time.perf_counter()
     history: list[dict[str, Any]] = []
     if args.retune:
         try:
-            head = load_eagle_head(args.out, torch.float32, torch.device("cpu"), args.max_model_len)
+            head = load_eagle_head(args.out, torch.float32, device, args.max_model_len)
         except NxdServeError as exc:
             raise NxdServeError(f"--retune needs a trained head in --out: {exc}") from exc
         head_config = head.config
         head_config[EAGLE_CONFIG_KEY]["draft_vocab_size"] = None if vocab_ids is None else int(vocab_ids.numel())
     else:
         head_config = head_config_from_target(
-            json.loads((Path(files.path) / "config.json").read_text()),
+            json.loads((target.path / "config.json").read_text()),
             input_norm=not args.no_input_norm,
             draft_vocab_size=None if vocab_ids is None else int(vocab_ids.numel()),
             target_name=str(args.model or "SmolLM2-135M-Instruct"),
         )
-        head = EagleHead(head_config, torch.float32, torch.device("cpu"), args.max_model_len)
+        head = EagleHead(head_config, torch.float32, device, args.max_model_len)
         init_head(head, args.seed)
     head_config[EAGLE_CONFIG_KEY]["min_draft_confidence"] = args.min_draft_confidence
     head_config[EAGLE_CONFIG_KEY]["min_first_draft_confidence"] = args.min_first_draft_confidence
@@ -195,6 +209,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     k = args.num_speculative_tokens
     result = acceptance(head, heldout, embed, lm_weight, vocab_ids, k) if heldout else {}
     full_vocab = acceptance(head, heldout, embed, lm_full, None, k) if heldout and vocab_ids is not None else None
+    head.draft_vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
     out = save_eagle_head(
         head, args.out, nxd_layout=args.nxd_layout,
         embed_weight=target.embed_weight if args.nxd_layout else None,
@@ -223,6 +238,69 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     name = "retune_report.json" if args.retune else "train_report.json"
     (out / name).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+class _Target:
+    """The target model for data generation: our engine on CPU (its features are exactly what serving
+    reads), or transformers on an accelerator (``--device``), where ``generate`` batches far better."""
+
+    def __init__(self, path: Path, tokenizer: Any, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 eos_ids: frozenset[int], generate: Generate, corpus: Any) -> None:
+        self.path = path
+        self.tokenizer = tokenizer
+        self.embed_weight = embed_weight
+        self.lm_head_weight = lm_head_weight
+        self.eos_ids = eos_ids
+        self.generate = generate
+        self.corpus = corpus  # (prompts, args, temperature, seed, progress) -> list[Sequence]
+
+    @classmethod
+    def load(cls, args: argparse.Namespace) -> _Target:
+        device = torch.device(args.device)
+        generator = args.generator if args.generator != "auto" else "engine" if device.type == "cpu" else "transformers"
+        if generator == "engine":
+            if device.type != "cpu":
+                raise NxdServeError("--generator engine runs on the CPU; use --generator transformers with --device")
+            from nxdserve.config import EngineConfig
+            from nxdserve.engine.loader import build_engine_core
+
+            config = EngineConfig(model=args.model, backend="torch", dtype=args.dtype,
+                                  max_model_len=args.max_model_len, max_num_seqs=args.gen_batch)
+            core, files = build_engine_core(config, with_metrics=False)
+            model = core.backend.runner.model
+
+            def corpus(prompts: list[str], a: argparse.Namespace, temperature: float, seed: int,
+                       bar: Any) -> list[Sequence]:
+                return generate_corpus(core, prompts, a.max_new_tokens, progress=bar, temperature=temperature,
+                                       seed=seed)
+
+            return cls(Path(files.path), core.tokenizer, model.embed_weight, model.lm_head_weight,
+                       frozenset(core.eos_token_ids), engine_generate(core), corpus)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from nxdserve.engine.models import resolve_dtype
+        from nxdserve.model_files import resolve_model
+
+        path = resolve_model(args.model, progress=not args.no_progress)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(args.dtype, device)).to(device)
+        hf.eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        eos = hf.generation_config.eos_token_id
+        eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+                          *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+        if not eos_ids:
+            raise NxdServeError(f"{path} names no eos token")
+
+        def generate(prompts: list[list[int]], max_new: int, temperature: float, seed: int) -> list[list[int]]:
+            return generate_tokens(hf, prompts, max_new, temperature, eos_ids, eos_ids[0], args.gen_batch, seed)
+
+        def corpus_hf(prompts: list[str], a: argparse.Namespace, temperature: float, seed: int,
+                      bar: Any) -> list[Sequence]:
+            return generate_corpus_hf(hf, tokenizer, prompts, a.max_new_tokens, a.max_model_len, eos_ids,
+                                      a.gen_batch, temperature=temperature, seed=seed, progress=bar)
+
+        return cls(path, tokenizer, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight,
+                   frozenset(eos_ids), generate, corpus_hf)
 
 
 def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor | None:
@@ -267,7 +345,7 @@ def init_head(head: EagleHead, seed: int) -> None:
         else:
             param.copy_(0.02 * torch.randn(param.shape, generator=g))
     size = head.spec.hidden_size
-    head.fc_weight[:, size:] += torch.eye(size)
+    head.fc_weight[:, size:] += torch.eye(size, device=head.fc_weight.device)
 
 
 def fit(head: EagleHead, seqs: list[Sequence], embed: torch.Tensor, lm_weight: torch.Tensor,
@@ -303,7 +381,7 @@ def fit(head: EagleHead, seqs: list[Sequence], embed: torch.Tensor, lm_weight: t
         for epoch in range(args.epochs):
             rng.shuffle(batches)
             for group in batches:
-                batch = Batch.build(group, args.max_model_len)
+                batch = Batch.build(group, args.max_model_len).to(embed.device)
                 embeds = F.embedding(batch.tokens[:, 1:], embed)
                 feats = batch.features
                 if args.feature_noise > 0:

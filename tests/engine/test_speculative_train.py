@@ -87,3 +87,68 @@ def test_retune_without_a_head_fails_cleanly(tmp_path: Path, capsys: pytest.Capt
             "--max-model-len", "128", "--no-progress", "--sampled-copies", "0", "--retune"]
     assert main(argv) == 1
     assert "--retune needs a trained head" in capsys.readouterr().err
+
+
+def test_transformers_generator_gives_the_engines_corpus() -> None:
+    """``--generator transformers`` (what ``--device cuda`` uses): the same greedy answers and the same
+    final-norm features as the engine path, here both in fp32 on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nxdserve.speculative.corpus import generate_corpus
+    from nxdserve.speculative.hf_corpus import generate_corpus_hf
+
+    model = str(tiny_model_path("llama"))
+    core = make_core(model=model, max_model_len=128)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype="float32").eval()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = PROMPTS[:5]
+    ours = {s.prompt_index: s for s in generate_corpus(core, prompts, 10)}
+    eos = sorted(core.eos_token_ids)
+    theirs = generate_corpus_hf(hf, tokenizer, prompts, 10, 128, eos, batch_size=2)
+    assert len(theirs) == len(ours) == len(prompts)
+    for seq in theirs:
+        mine = ours[seq.prompt_index]
+        assert seq.prompt_len == mine.prompt_len and not seq.sampled
+        assert seq.tokens.tolist() == mine.tokens.tolist()
+        assert seq.features.shape == (seq.tokens.size - 1, hf.config.hidden_size)
+        assert (seq.features.float() - mine.features.float()).abs().max().item() < 1e-3
+
+
+def test_self_written_prompts_keep_finished_distinct_questions() -> None:
+    """The target's own user turns: kept only when it ended the turn (eos) within 64 tokens, with a sane
+    length and not seen before; later rounds top the count up."""
+    from transformers import AutoTokenizer
+
+    from nxdserve.speculative.corpus import self_written_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path("llama")))
+    eos = tokenizer.eos_token_id
+    questions = ["How do volcanoes form?", "What is a prime number?", "Why is the sky blue?"]
+    rounds: list[list[list[int]]] = [
+        [[*tokenizer.encode(questions[0], add_special_tokens=False), eos],
+         [*tokenizer.encode(questions[0], add_special_tokens=False), eos],  # a duplicate
+         [*tokenizer.encode("Hi", add_special_tokens=False), eos],  # too short
+         tokenizer.encode(questions[1], add_special_tokens=False)],  # never ended its turn
+        [[*tokenizer.encode(q, add_special_tokens=False), eos] for q in questions[1:]],
+    ]
+    asked: list[tuple[int, float]] = []
+
+    def generate(prompts: list[list[int]], max_new: int, temperature: float, seed: int) -> list[list[int]]:
+        asked.append((len(prompts), temperature))
+        return rounds[len(asked) - 1][: len(prompts)]
+
+    got = self_written_prompts(tokenizer, generate, 3, frozenset({eos}), seed=0)
+    assert got == questions
+    assert asked == [(3, 1.0), (2, 1.0)]
+
+
+def test_train_eagle_with_the_transformers_generator(tmp_path: Path) -> None:
+    model = str(tiny_model_path("llama"))
+    out = tmp_path / "head"
+    argv = ["--model", model, "--out", str(out), "--num-prompts", "8", "--max-new-tokens", "8", "--epochs", "1",
+            "--max-model-len", "128", "--gen-batch", "4", "--draft-vocab-size", "400", "--no-progress",
+            "--generator", "transformers", "--sampled-copies", "1"]
+    assert main(argv) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["answers"] == {"train": 14, "heldout": 1}
+    _assert_served_losslessly(model, out, num_speculative_tokens=2, num_prompts=4)
