@@ -194,7 +194,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             json.loads((target.path / "config.json").read_text()),
             input_norm=not args.no_input_norm,
             draft_vocab_size=None if vocab_ids is None else int(vocab_ids.numel()),
-            target_name=str(args.model or "SmolLM2-135M-Instruct"),
+            target_name=_target_name(args.model),
         )
         head = EagleHead(head_config, torch.float32, device, args.max_model_len)
         init_head(head, args.seed)
@@ -301,6 +301,14 @@ class _Target:
 
         return cls(path, tokenizer, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight,
                    frozenset(eos_ids), generate, corpus_hf)
+
+
+def _target_name(model: str | None) -> str:
+    """What the head's config records as its target: the model's name, not the path it was read from."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
 
 
 def draft_vocabulary(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor | None:

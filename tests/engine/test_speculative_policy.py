@@ -7,11 +7,13 @@ import numpy as np
 from nxdserve.engine.backends.base import StepPlan, StepResult
 from nxdserve.engine.speculative.policy import (
     EXPLORE_EVERY,
+    EXPLORE_MAX,
     LARGE_BATCH,
     LARGE_BATCH_MARGIN,
     WARMUP_STEPS,
     BatchSizePolicy,
     batch_bucket,
+    explore_interval,
 )
 
 
@@ -137,3 +139,18 @@ def test_drafting_that_pays_on_average_stays_on_when_most_steps_accept_nothing()
             tokens = (3 if rng.random() < 0.4 else 1) if draft else 1
             run_step(policy, 1, 2 if draft else 0, tokens, 0.012 if draft else 0.010)
     assert on >= 0.75 * 4 * 200
+
+
+def test_a_far_behind_arm_is_re_measured_rarely() -> None:
+    """Re-measuring costs the winner/loser ratio - 1 of a step each time: every EXPLORE_EVERY steps while
+    the arms are close, rarely enough to cost about EXPLORE_COST when the loser is far behind."""
+    assert explore_interval(100.0, 95.0) == EXPLORE_EVERY
+    assert explore_interval(160.0, 100.0) == 60
+    assert explore_interval(100.0, 1.0) == EXPLORE_MAX
+    warm = 2 * WARMUP_STEPS
+    # Drafting at batch 32 takes 1.6x a plain step for 1.0x the tokens: on for 1 step in 60, not 1 in 16.
+    decisions = simulate(new_policy(), 32, 600, on=(1, 0.016), off=(1, 0.010))
+    assert sum(decisions[warm:]) == (600 - warm) // 60
+    # Close arms keep the old rate.
+    close = simulate(new_policy(), 32, 320, on=(1, 0.0101), off=(1, 0.010))
+    assert sum(close[warm:]) == (320 - warm) // EXPLORE_EVERY

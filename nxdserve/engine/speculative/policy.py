@@ -20,9 +20,12 @@ rate is its window's tokens over its window's seconds, leaving out steps slower 
 median of per-step rates: a drafting step yields 1 token when its first draft is rejected and 2..k+1
 when not, so with first-draft acceptance below one half the median step is a rejected one, and a
 median would turn drafting off even where its mean rate is well ahead. Each bucket starts by
-trying both arms a few times; afterwards the losing arm is still re-measured on 1 step in
-``EXPLORE_EVERY`` so the decision follows changes in acceptance (a grounded workload turning into
-free chat) and in load. Steps that run prefill are not decode-only and never count.
+trying both arms a few times; afterwards the losing arm is still re-measured now and then so the
+decision follows changes in acceptance (a grounded workload turning into free chat) and in load: every
+``EXPLORE_EVERY`` steps while the arms are close, less often the further behind the loser is, so that
+re-measuring costs about ``EXPLORE_COST`` of the time (a step of n-gram drafting on free chat at batch 32
+took 1.6x a plain one; re-measuring it every 16 steps cost 4% there). Steps that run prefill are not
+decode-only and never count.
 
 With ``disable_by_batch_size`` set, the rule is vLLM V0's: draft only while at most that many
 requests are decoding.
@@ -30,6 +33,7 @@ requests are decoding.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -41,7 +45,9 @@ import numpy as np
 from nxdserve.engine.backends.base import StepPlan, StepResult
 
 WARMUP_STEPS = 3  # per arm and bucket before the measured rule takes over
-EXPLORE_EVERY = 16  # then re-measure the losing arm on 1 step in this many
+EXPLORE_EVERY = 16  # then re-measure the losing arm at most on 1 step in this many ...
+EXPLORE_COST = 0.01  # ... and, when it is far behind, rarely enough that this is what re-measuring costs ...
+EXPLORE_MAX = 256  # ... but at least on 1 step in this many
 WINDOW = 16  # recent steps per arm whose pooled rate decides
 OUTLIER_FACTOR = 4.0  # steps this many times slower than the window's median are left out
 # Above this many decoding requests drafting must beat plain decoding by LARGE_BATCH_MARGIN to stay on. There
@@ -50,6 +56,14 @@ OUTLIER_FACTOR = 4.0  # steps this many times slower than the window's median ar
 # measured 428 vs 429 tok/s on vs off, while the benchmark's ratio ranged 0.83-1.04x between runs).
 LARGE_BATCH = 16
 LARGE_BATCH_MARGIN = 0.05
+
+
+def explore_interval(winner_rate: float, loser_rate: float) -> int:
+    """Steps between re-measurements of the losing arm: each costs the winner/loser rate ratio - 1 of a step."""
+    if loser_rate <= 0.0:
+        return EXPLORE_MAX
+    excess = max(winner_rate / loser_rate - 1.0, 0.0)
+    return min(EXPLORE_MAX, max(EXPLORE_EVERY, math.ceil(round(excess / EXPLORE_COST, 6))))
 
 
 def batch_bucket(num_decoding: int) -> int:
@@ -84,7 +98,7 @@ class BatchSizePolicy:
         self.clock = clock
         self._last_observed: float | None = None
         self._arms: dict[tuple[int, bool], _Arm] = {}
-        self._visits: dict[int, int] = {}
+        self._since_explore: dict[int, int] = {}
         self._pending: tuple[int, bool] | None = None  # decision whose step has not been measured yet
 
     def should_draft(self, num_decoding: int) -> bool:
@@ -96,16 +110,17 @@ class BatchSizePolicy:
             self._pending = None
             return num_decoding <= self.disable_by_batch_size
         bucket = batch_bucket(num_decoding)
-        visit = self._visits.get(bucket, 0)
-        self._visits[bucket] = visit + 1
         on, off = self._arm(bucket, True), self._arm(bucket, False)
         if on.steps < WARMUP_STEPS or off.steps < WARMUP_STEPS:
             draft = on.steps <= off.steps  # alternate, starting with "on"
         else:
             margin = LARGE_BATCH_MARGIN if num_decoding > LARGE_BATCH else 0.0
             draft = on.rate >= off.rate * (1.0 + margin)
-            if visit % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-                draft = not draft
+            since = self._since_explore.get(bucket, 0) + 1
+            winner, loser = (on, off) if draft else (off, on)
+            if since >= explore_interval(winner.rate, loser.rate):
+                draft, since = not draft, 0
+            self._since_explore[bucket] = since
         self._pending = (bucket, draft)
         return draft
 
