@@ -212,6 +212,9 @@ class EngineCore:
     def _record_spec(self, updates: list[Any], result: StepResult) -> None:
         if self.metrics is None:
             return
+        alternatives = result.aux.get("draft_alternatives")
+        if alternatives is not None:
+            self.metrics.record_alternatives(*alternatives)
         fused = result.aux.get("fused_accepted_drafts")  # the NxD backend verifies drafts on device
         if fused is not None:
             accepted = [int(a) for a in fused if a >= 0]

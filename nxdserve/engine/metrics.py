@@ -56,6 +56,14 @@ class EngineMetrics:
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts per position",
             [*labels, "position"], registry=r,
         )
+        # nxdserve's own: EAGLE's draft alternatives (docs/speculative.md); a hit also counts as an accepted
+        # draft token at position 0 above.
+        self.spec_num_alternatives = Counter(
+            "nxdserve:spec_decode_num_alternative_tokens", "Draft alternatives verified", labels, registry=r
+        )
+        self.spec_num_alternative_hits = Counter(
+            "nxdserve:spec_decode_num_alternative_hits", "Draft alternatives accepted", labels, registry=r
+        )
         self._model = model_name
         self._last_token_time: dict[str, float] = {}
         for gauge in (self.num_running, self.num_waiting, self.kv_usage):
@@ -82,6 +90,11 @@ class EngineMetrics:
         for pos, count in enumerate(accepted_per_pos):
             if count:
                 self.spec_accepted_per_pos.labels(m, str(pos)).inc(count)
+
+    def record_alternatives(self, num_alternatives: int, num_hits: int) -> None:
+        self.spec_num_alternatives.labels(self._model).inc(num_alternatives)
+        if num_hits:
+            self.spec_num_alternative_hits.labels(self._model).inc(num_hits)
 
     def record_output(self, out: RequestOutput, now: float) -> None:
         m = self._model

@@ -81,6 +81,15 @@ def test_alternative_hits_keep_greedy_output_and_yield_two_tokens(k: int) -> Non
     # target's token after it); the logprobs request gets one.
     assert total.num_accepted > 0
     assert total.num_accepted == total.num_drafts - _drafting_steps_of_one_request(MAX_TOKENS)
+    # Every alternative path taken is counted: two alternatives per eligible row, one of them accepted.
+    assert total.num_alternative_hits == total.num_accepted and total.num_alternatives == 2 * total.num_accepted
+    assert core.metrics is not None
+    registry, labels = core.metrics.registry, {"model_name": model}
+    assert registry.get_sample_value("nxdserve:spec_decode_num_alternative_hits_total", labels) == total.num_accepted
+    assert registry.get_sample_value("nxdserve:spec_decode_num_alternative_tokens_total", labels) == \
+        2 * total.num_accepted
+    line = proposer.stats.log_line()
+    assert line is not None and f"Alternatives: {total.num_accepted} of {2 * total.num_accepted} accepted" in line
 
 
 def _drafting_steps_of_one_request(max_tokens: int) -> int:

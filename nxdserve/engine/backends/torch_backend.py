@@ -186,8 +186,10 @@ class TorchBackend(Backend):
                 num_sampled[rows.sampled] = out.num_tokens.cpu().numpy()
                 block = out.logprobs
             logprobs = _scatter_rows(block, rows.sampled, rows.num_rows, rows.width)
+        alternative_counts = None
         if alts is not None and alt_logits is not None:
             hits = alts.accepted(out_tokens, num_sampled)
+            alternative_counts = (int(alts.row.size), int(hits.size))
             if hits.size:
                 rows_hit = alts.row[hits]
                 extra = self.sampler.sample(alt_logits[torch.from_numpy(hits).to(self.device)], rows.slots[rows_hit],
@@ -210,6 +212,8 @@ class TorchBackend(Backend):
             prompt_logprobs=prompt_logprobs or None,
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2},
         )
+        if alternative_counts is not None:  # (alternatives run, alternatives that won) for metrics and logs
+            result.aux["draft_alternatives"] = alternative_counts
         if self.keep_hidden_states:
             size = hidden.shape[-1]
             padded = hidden.new_zeros(rows.sampled.size, rows.width, size)

@@ -28,6 +28,11 @@ class SpecStats:
         self._window_start = time.monotonic()
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
+        alternatives = result.aux.get("draft_alternatives")
+        if alternatives is not None:
+            for w in (self.total, self.window):
+                w.num_alternatives += alternatives[0]
+                w.num_alternative_hits += alternatives[1]
         drafts = np.asarray(plan.num_drafts, dtype=np.int64)
         sampled = np.asarray(result.num_sampled, dtype=np.int64)
         rows = (drafts > 0) & (sampled > 0)
@@ -59,6 +64,8 @@ class SpecStats:
             f"Per-position acceptance rate: {per_pos}, "
             f"Avg Draft acceptance rate: {100.0 * w.num_accepted / max(w.num_draft_tokens, 1):.1f}%"
         )
+        if w.num_alternatives:  # nxdserve's draft alternatives (their hits are counted as accepted above)
+            line += f", Alternatives: {w.num_alternative_hits} of {w.num_alternatives} accepted"
         if reset:
             self.window = _Window(self.k)
             self._window_start = now
@@ -77,6 +84,8 @@ class _Window:
         self.num_draft_tokens = 0
         self.accepted_per_pos = np.zeros(k, dtype=np.int64)
         self.width = 0  # longest draft seen, for the per-position list
+        self.num_alternatives = 0  # draft alternatives verified (EAGLE's next-best first drafts)
+        self.num_alternative_hits = 0  # ... and accepted: their rows' first drafts were rejected
 
     def add(self, num_drafts: int, num_draft_tokens: int, per_pos: np.ndarray, width: int) -> None:
         self.num_drafts += num_drafts
