@@ -140,12 +140,14 @@ def test_block_attention_agrees_with_single_token_items(
     path = custom_model_paths[family] if family in CUSTOM_CONFIGS else tiny_model_path(family)
     lib = cpu_kernels._library()
     assert lib is not None
-    lib.decode_forward_set_block_min(10**9)
+    default = lib.decode_forward_block_min()
     try:
+        lib.decode_forward_set_block_min(10**9)
         items = _step(path, True, torch.bfloat16, monkeypatch)
-    finally:
         lib.decode_forward_set_block_min(2)
-    blocks = _step(path, True, torch.bfloat16, monkeypatch)
+        blocks = _step(path, True, torch.bfloat16, monkeypatch)
+    finally:
+        lib.decode_forward_set_block_min(default)
     for block_out, item_out in zip(blocks, items, strict=True):
         scale = item_out.abs().max().item()
         assert (block_out - item_out).abs().max().item() <= 0.02 * scale
@@ -176,6 +178,7 @@ def test_block_attention_agrees_with_items_on_random_steps(
     lib = cpu_kernels._library()
     assert lib is not None
     outputs = []
+    default = lib.decode_forward_block_min()
     for block_min in (2, 10**9):
         lib.decode_forward_set_block_min(block_min)
         try:
@@ -187,7 +190,7 @@ def test_block_attention_agrees_with_items_on_random_steps(
                 assert model.fused_decode.accepts(tokens, meta, cache)
                 outputs.append(model(tokens, meta, cache).float())
         finally:
-            lib.decode_forward_set_block_min(2)
+            lib.decode_forward_set_block_min(default)
     scale = outputs[1].abs().max().item()
     assert (outputs[0] - outputs[1]).abs().max().item() <= 0.02 * scale
 
@@ -288,3 +291,39 @@ def test_fused_forward_is_not_used_where_it_does_not_apply(monkeypatch: pytest.M
         assert not bf16.fused_decode.accepts(one, _meta(bf16, [0], [5], [1]), bf16.new_kv_cache(1, 5))
         assert not fp32.fused_decode.accepts(one, _meta(fp32, [0], [5], [1]), fp32.new_kv_cache(1, MAX_LEN))
         assert not qk_norm.fused_decode.accepts(one, _meta(qk_norm, [0], [5], [1]), qk_norm.new_kv_cache(1, MAX_LEN))
+
+
+@needs_fused
+def test_verification_rows_get_the_bits_of_one_token_decodes(custom_model_paths: dict[str, Path]) -> None:
+    """By default a row of up to 8 tokens attends token by token, so verifying drafts computes exactly what
+    decoding the same tokens one step at a time computes (the GEMMs give every row the same bits at any
+    batch shape): greedy bf16 output with speculation is then the plain output, not just close to it. A
+    9-token row (a prefill chunk) keeps the block kernel, whose bits differ."""
+    max_len = 256
+    model = LlamaFamilyModel.from_pretrained(custom_model_paths["d64-g3"], torch.bfloat16, torch.device("cpu"), max_len)
+    history = torch.randint(0, model.vocab_size, (max_len,), generator=torch.Generator().manual_seed(5))
+    start = 200  # enough keys that the block kernel's order shows in the bits
+
+    def run(row_lens: list[int]) -> torch.Tensor:
+        cache = model.new_kv_cache(1, max_len)
+        out = []
+        with single_torch_thread(), torch.inference_mode():
+            model(history[:start], _meta_len(model, [0], [0], [start], max_len), cache)
+            pos = start
+            for n in row_lens:
+                out.append(model(history[pos : pos + n], _meta_len(model, [0], [pos], [n], max_len), cache).float())
+                pos += n
+        return torch.cat(out)
+
+    one_by_one = run([1] * 9)
+    assert torch.equal(run([4, 1, 4]), one_by_one)  # verification-sized rows: the same bits
+    assert torch.equal(run([8, 1]), one_by_one)
+    # The same rows as blocks (the rule before: any run of 2+ tokens) sum in another order.
+    lib = cpu_kernels._library()
+    assert lib is not None
+    default = lib.decode_forward_block_min()
+    lib.decode_forward_set_block_min(2)
+    try:
+        assert not torch.equal(run([4, 1, 4]), one_by_one)
+    finally:
+        lib.decode_forward_set_block_min(default)

@@ -322,6 +322,8 @@ def _library() -> ctypes.CDLL | None:
             lib.decode_forward_scratch.restype = _i64
             lib.decode_forward_set_block_min.argtypes = [_i64]
             lib.decode_forward_set_block_min.restype = None
+            lib.decode_forward_block_min.argtypes = []
+            lib.decode_forward_block_min.restype = _i64
         lib.gemm_available.restype = _int
         if lib.gemm_available():
             # x, M, K, x row stride, packed w, bias, residual, residual row stride, N, out, out row stride, threads
