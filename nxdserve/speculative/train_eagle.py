@@ -23,6 +23,7 @@ import random
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -240,19 +241,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+@dataclass
 class _Target:
     """The target model for data generation: our engine on CPU (its features are exactly what serving
     reads), or transformers on an accelerator (``--device``), where ``generate`` batches far better."""
 
-    def __init__(self, path: Path, tokenizer: Any, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 eos_ids: frozenset[int], generate: Generate, corpus: Any) -> None:
-        self.path = path
-        self.tokenizer = tokenizer
-        self.embed_weight = embed_weight
-        self.lm_head_weight = lm_head_weight
-        self.eos_ids = eos_ids
-        self.generate = generate
-        self.corpus = corpus  # (prompts, args, temperature, seed, progress) -> list[Sequence]
+    path: Path
+    tokenizer: Any
+    embed_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+    eos_ids: frozenset[int]
+    generate: Generate
+    corpus: Any  # (prompts, args, temperature, seed, progress) -> list[Sequence]
 
     @classmethod
     def load(cls, args: argparse.Namespace) -> _Target:
