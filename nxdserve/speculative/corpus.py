@@ -48,6 +48,13 @@ def load_prompts(path: str | Path | None = None) -> list[str]:
     return prompts
 
 
+def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """As the chat endpoint does: render the template to text, then tokenize it."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
 class FeatureRecorder:
     """A Proposer that drafts nothing and records the backend's per-token hidden states."""
 
@@ -85,11 +92,7 @@ def generate_corpus(
     tokenizer = core.tokenizer
     pending: dict[str, tuple[int, list[int]]] = {}
     for i, prompt in enumerate(prompts):
-        # As the chat endpoint does: render the template to text, then tokenize it.
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        ids = list(tokenizer.encode(str(text), add_special_tokens=False))[: core.max_prompt_len]
+        ids = chat_prompt_ids(tokenizer, prompt)[: core.max_prompt_len]
         max_tokens = min(max_new_tokens, core.max_model_len - len(ids))
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i if temperature else None)
         params.output_kind = OutputKind.FINAL_ONLY

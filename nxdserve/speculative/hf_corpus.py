@@ -15,16 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nxdserve.speculative.corpus import Sequence
+from nxdserve.speculative.corpus import Sequence, chat_prompt_ids
 
 logger = logging.getLogger(__name__)
-
-
-def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """As the chat endpoint does: render the template to text, then tokenize it."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return list(tokenizer.encode(str(text), add_special_tokens=False))
 
 
 @torch.inference_mode()

@@ -23,6 +23,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         with tqdm(total=len(prompts) * len(temperatures), desc="generating", unit="answer",
                   disable=args.no_progress) as bar:
             for i, temperature in enumerate(temperatures):
-                corpus += target.corpus(prompts, args, temperature, args.seed + 100_003 * i, bar)
+                corpus += target.corpus(prompts, temperature, args.seed + 100_003 * i, bar)
         if cache is not None:
             torch.save([vars(s) for s in corpus], cache)
     corpus.sort(key=lambda s: s.tokens.tolist())  # completion order varies with timing; fix it, then shuffle
@@ -210,7 +211,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     k = args.num_speculative_tokens
     result = acceptance(head, heldout, embed, lm_weight, vocab_ids, k) if heldout else {}
     full_vocab = acceptance(head, heldout, embed, lm_full, None, k) if heldout and vocab_ids is not None else None
-    head.draft_vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
     out = save_eagle_head(
         head, args.out, nxd_layout=args.nxd_layout,
         embed_weight=target.embed_weight if args.nxd_layout else None,
@@ -252,7 +252,7 @@ class _Target:
     lm_head_weight: torch.Tensor
     eos_ids: frozenset[int]
     generate: Generate
-    corpus: Any  # (prompts, args, temperature, seed, progress) -> list[Sequence]
+    corpus: Callable[[list[str], float, int, Any], list[Sequence]]  # (prompts, temperature, seed, progress bar)
 
     @classmethod
     def load(cls, args: argparse.Namespace) -> _Target:
@@ -269,9 +269,8 @@ class _Target:
             core, files = build_engine_core(config, with_metrics=False)
             model = core.backend.runner.model
 
-            def corpus(prompts: list[str], a: argparse.Namespace, temperature: float, seed: int,
-                       bar: Any) -> list[Sequence]:
-                return generate_corpus(core, prompts, a.max_new_tokens, progress=bar, temperature=temperature,
+            def corpus(prompts: list[str], temperature: float, seed: int, bar: Any) -> list[Sequence]:
+                return generate_corpus(core, prompts, args.max_new_tokens, progress=bar, temperature=temperature,
                                        seed=seed)
 
             return cls(Path(files.path), core.tokenizer, model.embed_weight, model.lm_head_weight,
@@ -294,10 +293,9 @@ class _Target:
         def generate(prompts: list[list[int]], max_new: int, temperature: float, seed: int) -> list[list[int]]:
             return generate_tokens(hf, prompts, max_new, temperature, eos_ids, eos_ids[0], args.gen_batch, seed)
 
-        def corpus_hf(prompts: list[str], a: argparse.Namespace, temperature: float, seed: int,
-                      bar: Any) -> list[Sequence]:
-            return generate_corpus_hf(hf, tokenizer, prompts, a.max_new_tokens, a.max_model_len, eos_ids,
-                                      a.gen_batch, temperature=temperature, seed=seed, progress=bar)
+        def corpus_hf(prompts: list[str], temperature: float, seed: int, bar: Any) -> list[Sequence]:
+            return generate_corpus_hf(hf, tokenizer, prompts, args.max_new_tokens, args.max_model_len, eos_ids,
+                                      args.gen_batch, temperature=temperature, seed=seed, progress=bar)
 
         return cls(path, tokenizer, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight,
                    frozenset(eos_ids), generate, corpus_hf)

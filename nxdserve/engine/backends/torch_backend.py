@@ -198,11 +198,12 @@ class TorchBackend(Backend):
                 num_sampled[rows_hit] = 2
                 for a in hits.tolist():
                     alts.forward.install(self.runner.kv_cache, a)
-                # The hit's state replaces the rejected draft's: it is the target's state at that position now.
-                hidden[torch.from_numpy(rows.offsets[rows_hit] + 1).to(self.device)] = alt_hidden[
-                    torch.from_numpy(hits).to(self.device)
-                ]
-                sampled_hidden = hidden[torch.from_numpy(verify_index[verify_valid]).to(self.device)]
+                if self.keep_hidden_states:
+                    # The hit's state replaces the rejected draft's: the target's state at that position now.
+                    hidden[torch.from_numpy(rows.offsets[rows_hit] + 1).to(self.device)] = alt_hidden[
+                        torch.from_numpy(hits).to(self.device)
+                    ]
+                    sampled_hidden = hidden[torch.from_numpy(verify_index[verify_valid]).to(self.device)]
         t3 = time.perf_counter()
 
         result = StepResult(

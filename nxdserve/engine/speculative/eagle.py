@@ -281,7 +281,7 @@ class EagleProposer(SpeculativeProposer):
         """Draft 1 as ``_argmax`` gives it, plus (len(active), A) alternatives, -1 padded (None: none)."""
         if not self._alternatives_now:
             return (*self._argmax(hidden), None)
-        probs = torch.softmax(linear(hidden, self.lm_weight).float(), dim=-1)
+        probs = self._probs(hidden)
         top_p, top = probs.topk(min(1 + self.num_alternatives, probs.shape[-1]), dim=-1)
         if self.vocab_ids is not None:
             top = self.vocab_ids[top]
@@ -294,7 +294,11 @@ class EagleProposer(SpeculativeProposer):
         alternatives[~eligible] = -1
         return top[:, 0], top_p[:, 0], alternatives
 
+    def _probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's next-token distribution over its (draft) vocabulary, in float32."""
+        return torch.softmax(linear(hidden, self.lm_weight).float(), dim=-1)
+
     def _argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy draft ids (full vocabulary) and the head's probability for them."""
-        conf, best = torch.softmax(linear(hidden, self.lm_weight).float(), dim=-1).max(dim=-1)
+        conf, best = self._probs(hidden).max(dim=-1)
         return (best if self.vocab_ids is None else self.vocab_ids.index_select(0, best)), conf
