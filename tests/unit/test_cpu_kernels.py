@@ -96,3 +96,45 @@ def test_loading_the_kernels_keeps_denormals() -> None:
     assert cpu_kernels.available()
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert (tiny * 1.0).item() != 0.0
+
+
+def _awkward_values(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rounded values (many ties) with NaNs, both zeros and both infinities sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cols, generator=g) * 3).round()
+    u = torch.rand(rows, cols, generator=g)
+    x[u < 0.002] = float("nan")
+    x[(u > 0.1) & (u < 0.2)] = -0.0
+    x[(u > 0.2) & (u < 0.21)] = float("inf")
+    x[(u > 0.3) & (u < 0.4)] = float("-inf")
+    return x.to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_gives_torchs_indices(dtype: torch.dtype) -> None:
+    assert cpu_kernels.available()  # else argmax() is torch's own and this proves nothing
+    # Row lengths around the vector widths (16 and 32 lanes) and the 64-value search blocks, and the LM head's.
+    for seed, cols in enumerate([1, 15, 16, 31, 33, 63, 64, 65, 200, 1000, 49152]):
+        x = _awkward_values(5, cols, dtype, seed)
+        assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1)), cols
+        neg = -x.abs()  # no positive value: the maximum is a zero or a negative number
+        assert torch.equal(cpu_kernels.argmax(neg), neg.argmax(dim=-1)), cols
+    zeros = torch.zeros(3, 130, dtype=dtype)
+    zeros[:, :77] = -0.0  # -0 == +0: the first zero wins, whatever its sign
+    assert cpu_kernels.argmax(zeros).tolist() == [0, 0, 0]
+    late_nan = torch.zeros(2, 300, dtype=dtype)
+    late_nan[0, 250], late_nan[0, 280], late_nan[1, 5] = float("nan"), float("nan"), float("inf")
+    assert cpu_kernels.argmax(late_nan).tolist() == [250, 5]
+
+
+@needs_kernel
+def test_argmax_takes_any_leading_shape_and_strided_rows() -> None:
+    x = _awkward_values(24, 500, torch.bfloat16, 7)
+    three_d = x.reshape(4, 6, 500)
+    assert torch.equal(cpu_kernels.argmax(three_d), three_d.argmax(dim=-1))
+    sliced = x[::3, 100:400]  # rows strided, last axis contiguous
+    assert torch.equal(cpu_kernels.argmax(sliced), sliced.argmax(dim=-1))
+    half = x.to(torch.float16)  # no kernel for fp16: torch's own argmax answers
+    assert torch.equal(cpu_kernels.argmax(half), half.argmax(dim=-1))
+    assert cpu_kernels.argmax(x[:0]).shape == (0,)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from nxdserve.engine.backends.base import LogprobsBlock
+from nxdserve.engine.models.cpu_kernels import argmax
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.logprobs import compute_logprobs
 from nxdserve.engine.sampling.noise import exponential_, race, uniform_
@@ -82,7 +83,7 @@ class Sampler:
         num_top = int(rows.num_logprobs.max(initial=-1))
         raw = logits.float()  # the same tensor when already fp32
         if plan.empty and rows.greedy.all():
-            tokens = raw.argmax(dim=-1)
+            tokens = argmax(raw)
         else:
             work = raw
             if not plan.empty:
@@ -147,7 +148,7 @@ class Sampler:
         gi = np.flatnonzero(greedy_flat)
         if gi.size:
             g = to_device(gi, device)
-            target[g] = work.index_select(0, g).argmax(dim=-1)
+            target[g] = argmax(work.index_select(0, g))
         ri = np.flatnonzero(~greedy_flat)
         probs = self._target_probs(work, ri, rows) if ri.size else None
         prob_row = np.full(layout.num_positions, -1, dtype=np.int64)  # flat row -> row of ``probs``
@@ -235,13 +236,13 @@ class Sampler:
         """Greedy rows: argmax of the processed logits; random rows: the exponential race."""
         greedy = rows.greedy
         if greedy.all():
-            return work.argmax(dim=-1)
+            return argmax(work)
         ri = np.flatnonzero(~greedy)
         if ri.size == rows.num_rows:
             return self._sample_random(work, ri, rows, batch, tables, writable)
         tokens = torch.empty(rows.num_rows, dtype=torch.long, device=work.device)
         g = to_device(np.flatnonzero(greedy), work.device)
-        tokens[g] = work.index_select(0, g).argmax(dim=-1)
+        tokens[g] = argmax(work.index_select(0, g))
         tokens[to_device(ri, work.device)] = self._sample_random(work, ri, rows, batch, tables, writable)
         return tokens
 
@@ -364,7 +365,7 @@ def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch
     """All-greedy rows without processors or logprobs: accept while a draft equals the target's argmax,
     then the argmax after the accepted prefix (the bonus token when all were accepted). One argmax
     over (N, W, V) instead of the general path's per-position gathers (measured ~1 ms a step at batch 1)."""
-    target = logits.argmax(dim=-1)  # (N, W)
+    target = argmax(logits)  # (N, W)
     width = target.shape[1]
     if width > 1:
         col = torch.arange(width - 1, device=target.device)[None, :]

@@ -29,6 +29,7 @@ from torch import nn
 
 from nxdserve.engine.backends.base import StepResult
 from nxdserve.engine.models import LlamaFamilyModel, SlotModelRunner
+from nxdserve.engine.models.cpu_kernels import argmax
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.speculative.base import DraftRows, SpeculativeProposer
 from nxdserve.engine.speculative.config import SpeculativeConfig
@@ -142,4 +143,4 @@ class DraftModelProposer(SpeculativeProposer):
         return drafts, k.copy()
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.logits(hidden).argmax(dim=-1)
+        return argmax(self.runner.logits(hidden))
