@@ -1,0 +1,97 @@
+"""The packed bf16 GEMM (``gemm_source.gemm_bf16``) on the default model's projection shapes, weights cold.
+
+A model reads every weight from DRAM once per step, so each shape cycles over 30 packed copies (3 for the LM
+head) and the time is per call. ``--against OTHER.so`` interleaves another build of the kernel library (e.g.
+the cached one from before a change: ``~/.cache/nxdserve/kernels/slot_attention-<hash>.so``) and prints the
+time ratio new / other, medians of ``--repeats`` interleaved rounds. Prints a table, writes JSON.
+
+    .venv/bin/python benchmarks/gemm_bench.py [--rows 1,8,32,96] [--against OLD.so] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import nxdserve  # noqa: F401 - before torch: it sets the OpenMP wait policy
+
+# isort: split
+import torch
+
+from nxdserve.engine.models import cpu_kernels, gemm
+
+# SmolLM2-135M: (out features, in features)
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _load(path: str) -> Any:
+    lib = ctypes.CDLL(path)
+    lib.gemm_bf16.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int]
+    lib.gemm_bf16.restype = None
+    return lib
+
+
+def _time_per_call(lib: Any, x: torch.Tensor, copies: list[torch.Tensor], n: int, out: torch.Tensor,
+                   threads: int) -> float:
+    m, k = x.shape
+    t0 = time.perf_counter()
+    for w in copies:
+        lib.gemm_bf16(x.data_ptr(), m, k, k, w.data_ptr(), None, None, 0, n, out.data_ptr(), n, threads)
+    return (time.perf_counter() - t0) / len(copies) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,8,32,96", help="comma list of M (tokens in the step)")
+    parser.add_argument("--against", default=None, help="another build of the kernel library to interleave")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="bench-results/gemm_bench.json")
+    args = parser.parse_args()
+    if not gemm.available():
+        raise SystemExit("the packed GEMM is not built here (needs a C compiler and AVX512-BF16)")
+    torch.set_num_threads(args.threads)
+    libs = {"this": cpu_kernels._library()}
+    if args.against:
+        libs["other"] = _load(args.against)
+    gen = torch.Generator().manual_seed(0)
+    copies: dict[str, list[torch.Tensor]] = {}
+    for name, (n, k) in SHAPES.items():
+        count = 3 if name == "lm_head" else 30  # the LM head alone is 56 MB: 3 copies are cold already
+        copies[name] = [gemm.pack((torch.randn(n, k, generator=gen) * 0.05).bfloat16()) for _ in range(count)]
+    rows: list[dict[str, Any]] = []
+    for m in (int(v) for v in args.rows.split(",")):
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            times: dict[str, list[float]] = {key: [] for key in libs}
+            order = list(libs)
+            for rep in range(args.repeats):
+                for key in order if rep % 2 == 0 else order[::-1]:
+                    times[key].append(_time_per_call(libs[key], x, copies[name], n, out, args.threads))
+            med = {key: statistics.median(v) for key, v in times.items()}
+            row = {"rows": m, "shape": name, "us": med["this"], "gflops": 2 * m * n * k / med["this"] / 1e3}
+            if "other" in med:
+                row["other_us"] = med["other"]
+                row["ratio"] = med["this"] / med["other"]
+            rows.append(row)
+    header = f"{'M':>5} {'shape':>8} {'us':>9} {'GFLOP/s':>8}"
+    print(header + (f" {'other us':>9} {'ratio':>6}" if args.against else ""))
+    for r in rows:
+        line = f"{r['rows']:>5} {r['shape']:>8} {r['us']:>9.1f} {r['gflops']:>8.1f}"
+        if "ratio" in r:
+            line += f" {r['other_us']:>9.1f} {r['ratio']:>6.2f}"
+        print(line)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"threads": args.threads, "against": args.against, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
