@@ -317,14 +317,16 @@ class AsyncEngine:
                         raise EngineDeadError(f"{failures} consecutive steps failed; last: {error}") from error
                     continue
                 failures = 0
-                outputs = core.process(sched, result)
+                processed = core.update(sched, result)
+                # The next forward starts before this step's outputs are made and reach the streams, so
+                # detokenization and the handlers' work (JSON, SSE writes: ~3 ms a step at 32 streams) run
+                # while the worker thread computes, not between forwards. Scheduling (and drafting) needs only
+                # update()'s bookkeeping, unless a stop string may end a request in this step's text.
+                outputs = core.emit(processed) if processed.may_stop_on_text else None
                 if core.proposer is not None:
                     await loop.run_in_executor(self._executor, core.propose, sched, result)
-                # The next forward starts before this step's outputs reach the streams, so the handlers'
-                # work (JSON, SSE writes: ~3 ms a step at 32 streams) runs while the worker thread computes,
-                # not between forwards. Scheduling needs only process()'s bookkeeping, done above.
                 step = self._launch(core)
-                self._deliver(outputs)
+                self._deliver(outputs if outputs is not None else core.emit(processed))
                 self._maybe_log(core)
                 if step is None:
                     await asyncio.sleep(0)  # let the handlers run before the loop idles

@@ -21,7 +21,7 @@ from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
 from nxdserve.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from nxdserve.sampling_params import SamplingParams
-from nxdserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from nxdserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ class StepTimings:
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in ("steps", "schedule", "prepare", "forward", "sample", "process",
                                                "propose", "tokens")}
+
+
+@dataclass
+class StepUpdates:
+    """A processed step between ``EngineCore.update`` and ``EngineCore.emit``."""
+
+    updates: list[RequestUpdate]
+    result: StepResult
+
+    @property
+    def may_stop_on_text(self) -> bool:
+        """Whether a stop string may end a request in this step's new text. Only then must ``emit`` run
+        before the next step is scheduled: otherwise nothing it does changes what the scheduler sees."""
+        return any(u.new_token_ids and u.request.params.stop and not u.finished for u in self.updates)
 
 
 @dataclass
@@ -176,11 +190,13 @@ class EngineCore:
         return self.backend.execute(sched.plan)
 
     def process(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        return self.emit(self.update(sched, result))
+
+    def update(self, sched: SchedulerOutput, result: StepResult) -> StepUpdates:
+        """The scheduler's half of processing a step: tokens appended, length/EOS finishes, slots freed,
+        counters and metrics. Enough to schedule the next step; ``emit`` makes the outputs."""
         t0 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result)
-        outputs, stopped = self.outputs.process(updates, result)
-        if stopped:
-            self.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         num_generated = sum(len(u.new_token_ids) for u in updates)
         self.num_finished_total += sum(1 for u in updates if u.finished)
         self._record_spec(updates, result)
@@ -190,7 +206,6 @@ class EngineCore:
         tm.prepare += result.timings.get("prepare", 0.0)
         tm.forward += result.timings.get("forward", 0.0)
         tm.sample += result.timings.get("sample", 0.0)
-        tm.process += time.perf_counter() - t0
         self.prompt_tokens_total += sched.num_prefill_tokens
         self.generation_tokens_total += num_generated
         if self.metrics is not None:
@@ -198,7 +213,17 @@ class EngineCore:
                 len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache_usage,
                 sched.num_prefill_tokens, num_generated, sched.plan.total_tokens,
             )
+        tm.process += time.perf_counter() - t0
+        return StepUpdates(updates, result)
+
+    def emit(self, step: StepUpdates) -> list[RequestOutput]:
+        """The outputs' half: detokenize, stop strings (which finish their requests here), RequestOutputs."""
+        t0 = time.perf_counter()
+        outputs, stopped = self.outputs.process(step.updates, step.result)
+        if stopped:
+            self.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.record_outputs(outputs)
+        self.timings.process += time.perf_counter() - t0
         return outputs
 
     def propose(self, sched: SchedulerOutput, result: StepResult) -> None:

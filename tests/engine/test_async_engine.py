@@ -167,3 +167,44 @@ async def test_shutdown_leaves_no_threads() -> None:
     await eng.shutdown(drain_timeout=0.1)
     assert not model_threads() - before
     assert not eng.is_healthy
+
+
+async def _phase_order(engine: AsyncEngine, params: SamplingParams, prompt: str) -> tuple[list[str], str]:
+    """Run one request, recording the engine loop's calls to update(), schedule() and emit() in order."""
+    core = engine.core
+    assert core is not None
+    calls: list[str] = []
+    originals = {name: getattr(core, name) for name in ("update", "schedule", "emit")}
+
+    def recording(name: str):  # type: ignore[no-untyped-def]
+        def call(*args):  # type: ignore[no-untyped-def]
+            calls.append(name)
+            return originals[name](*args)
+
+        return call
+
+    for name in originals:
+        setattr(core, name, recording(name))
+    try:
+        outs = [o async for o in engine.generate(prompt, params)]
+    finally:
+        for name, fn in originals.items():
+            setattr(core, name, fn)
+    return calls, "".join(o.outputs[0].text for o in outs)
+
+
+async def test_the_next_step_is_scheduled_before_detokenizing_unless_a_stop_string_may_end(engine: AsyncEngine) -> None:
+    calls, text = await _phase_order(engine, _greedy(8), "The capital of France is")
+    after_update = [calls[i + 1] for i, c in enumerate(calls[:-1]) if c == "update"]
+    # Without stop strings, the next step is scheduled (and launched) before this step's outputs are made.
+    assert calls.count("update") == calls.count("emit") == 8
+    assert after_update == ["schedule"] * 7 + ["emit"], calls  # the last step has nothing after it
+    # A stop string may end the request in any step's text: outputs first, then the next schedule, so a
+    # finished request is never scheduled again, and the text ends where the stop string starts.
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop])
+    stop_calls, stop_text = await _phase_order(engine, params, "The capital of France is")
+    stop_after_update = [stop_calls[i + 1] for i, c in enumerate(stop_calls[:-1]) if c == "update"]
+    assert stop_after_update and set(stop_after_update) == {"emit"}, stop_calls
+    assert stop_text == text[: text.index(stop)]
+    assert engine.stats().num_running == 0
