@@ -7,7 +7,8 @@ in a 30-layer cycle of SmolLM2's shapes, its batch-32 projections ran at 190-290
 (``gemm.pack``), so a panel is one sequential stream, and while the 8-row tiles of x pass over panel p
 they prefetch panel p + 1 into L2, each tile an equal part of it. (Before, the first tile pulled the whole
 next panel at the rate it read p: at 32 rows, four tiles a panel, one core cannot stream 55 KB in one tile's
-2.2 us, and the rest arrived late; spreading it made the 32-row projections 5-8% faster.)
+2.2 us, and the rest arrived late; spread, the 32-row projections took 0.86-1.02x the time in five runs of
+`benchmarks/gemm_bench.py`, the down projection gaining most.)
 The register tile is 8 rows x 48 columns (24 zmm accumulators, ``vdpbf16ps``: bf16 pairs multiplied exactly,
 summed in fp32, k in order), which gives the same bits as oneDNN's brgemm on every shape tested.
 
@@ -25,6 +26,8 @@ int gemm_available(void) { return 1; }
 #define GM_NV 3              /* zmm column vectors per panel */
 #define GM_NR (16 * GM_NV)   /* columns per panel */
 #define GM_MR 8              /* rows per register tile */
+#define GM_STEP_LINES (2 * GM_NR * 2 / 64) /* cache lines of a panel per k pair: 48 columns x 2 bf16 */
+_Static_assert(GM_STEP_LINES == 3, "gm_tile prefetches a whole panel's step as three lines");
 
 /* fp32 -> bf16 bits, round to nearest even (NaN stays NaN), 16 lanes: f2bf vectorised. */
 static inline __m256i gm_round(__m512 f) {
@@ -50,13 +53,13 @@ static void gm_tile_##MR(const uint16_t* x, int64_t xs, int64_t K, const uint16_
     for (int r = 0; r < MR; r++)                                                                       \
         for (int v = 0; v < GM_NV; v++) acc[r][v] = _mm512_setzero_ps();                               \
     const int64_t K2 = K / 2;                                                                          \
-    /* pf_lines cache lines spread evenly over the K2 steps (Bresenham); a whole panel, 3 lines a step. */ \
-    const int whole = pf_lines == 3 * K2;                                                              \
+    /* pf_lines cache lines spread evenly over the K2 steps (Bresenham); a whole panel, a step's lines. */ \
+    const int whole = pf_lines == GM_STEP_LINES * K2;                                                  \
     int64_t pf_due = 0;                                                                                \
     for (int64_t k2 = 0; k2 < K2; k2++, w += 2 * GM_NR) {                                              \
         if (whole) {                                                                                   \
             _mm_prefetch(pf, _MM_HINT_T1); _mm_prefetch(pf + 64, _MM_HINT_T1); _mm_prefetch(pf + 128, _MM_HINT_T1); \
-            pf += 192;                                                                                 \
+            pf += 64 * GM_STEP_LINES;                                                                  \
         } else {                                                                                       \
             for (pf_due += pf_lines; pf_due >= K2; pf_due -= K2, pf += 64) _mm_prefetch(pf, _MM_HINT_T1); \
         }                                                                                              \
@@ -100,7 +103,7 @@ GM_KERNEL(1) GM_KERNEL(2) GM_KERNEL(3) GM_KERNEL(4) GM_KERNEL(5) GM_KERNEL(6) GM
 static void gm_panel(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, int64_t xs, const uint16_t* w,
                      const uint16_t* next, int64_t p, const uint16_t* bias, const uint16_t* res, int64_t rs,
                      int64_t N, uint16_t* out, int64_t os) {
-    const int64_t lines = ((K + 1) / 2) * 2 * GM_NR * 2 / 64, tiles = (b1 - b0 + GM_MR - 1) / GM_MR;
+    const int64_t lines = ((K + 1) / 2) * GM_STEP_LINES, tiles = (b1 - b0 + GM_MR - 1) / GM_MR;
     for (int64_t m0 = b0, t = 0; m0 < b1; m0 += GM_MR, t++) {
         const uint16_t* xr = x + m0 * xs;
         const uint16_t* rr = res ? res + m0 * rs : NULL;
