@@ -41,6 +41,11 @@ static int64_t df_block_min_tokens = DF_BLOCK_TOKENS + 1;
 void decode_forward_set_block_min(int64_t n) { df_block_min_tokens = n; }
 int64_t decode_forward_block_min(void) { return df_block_min_tokens; }
 
+/* Keys of a thread's next attention item pulled into L2 while it runs this one (16 KB of K at head size 64). */
+#define DF_PREFETCH_KEYS 128
+
+typedef struct { int64_t next; char pad[56]; } __attribute__((aligned(64))) df_claim;
+
 /* Share [lo, hi) of n items for thread tid of nt. */
 static inline void df_share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
     *lo = n * tid / nt;
@@ -102,10 +107,14 @@ static inline void df_store_row(const __m512* acc, float inv, uint16_t* o) {
 
 /* One (token, KV head) item for head size 64 and GG query heads per KV head (a compile-time count, so
    the output accumulators stay in registers): q . k as bf16 pair products summed in fp32 (exact
-   products, like the fp32 loop), sixteen keys reduced together; softmax and p . v in fp32. */
+   products, like the fp32 loop), sixteen keys reduced together; softmax and p . v in fp32.
+   An item reads ~13 KB of K then as much of V from DRAM, too short for the hardware prefetcher to ramp up
+   (measured alone, one thread, 100 keys: 0.8 us with K and V in cache, 3-4.5 us cold). So q . k pulls this
+   item's V rows into L2 as it goes, and p . v pulls in nk_lines cache lines from nk: the start of the
+   thread's next item's K (NULL: none). */
 #define DF_ITEM64(GG)                                                                                  \
 static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t* vb, int64_t n,         \
-                           float scale, float* sc, uint16_t* o) {                                       \
+                           float scale, float* sc, uint16_t* o, const char* nk, int64_t nk_lines) {     \
     __m512bh qv[GG][2]; /* a zmm holds 32 bf16: half a row */                                          \
     for (int g = 0; g < GG; g++) {                                                                     \
         qv[g][0] = (__m512bh)_mm512_loadu_si512(q + g * 64);                                           \
@@ -119,6 +128,8 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
                 const uint16_t* kr = kb + (j0 + j) * 64;                                               \
                 __builtin_prefetch(kr + 16 * 64);                                                      \
                 __builtin_prefetch((const char*)(kr + 16 * 64) + 64);                                  \
+                _mm_prefetch((const char*)(vb + (j0 + j) * 64), _MM_HINT_T1);                          \
+                _mm_prefetch((const char*)(vb + (j0 + j) * 64) + 64, _MM_HINT_T1);                     \
                 __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 32); \
                 for (int g = 0; g < GG; g++)                                                           \
                     part[g][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1); \
@@ -145,10 +156,11 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
     __m512 acc[GG][4];                                                                                 \
     for (int g = 0; g < GG; g++)                                                                       \
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();                                   \
+    const int64_t pairs = (n + 1) / 2;                                                                 \
+    int64_t nk_due = 0; /* nk_lines spread evenly over the pairs (Bresenham) */                        \
     for (int64_t j = 0; j < n; j += 2) {                                                               \
+        for (nk_due += nk_lines; nk_due >= pairs; nk_due -= pairs, nk += 64) _mm_prefetch(nk, _MM_HINT_T1); \
         const uint16_t* v0 = vb + j * 64;                                                              \
-        __builtin_prefetch(v0 + 16 * 64);                                                              \
-        __builtin_prefetch((const char*)(v0 + 16 * 64) + 64);                                          \
         int two = j + 1 < n;                                                                           \
         __m512bh i[4];                                                                                 \
         df_v_pairs(v0, two, i);                                                                        \
@@ -293,17 +305,24 @@ static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R
 }
 
 /* fp32 scratch per thread: the single-token items' scores, or a block's scores and bf16 weights. */
-/* One token's attention for one KV head: keys lo..ps of kb/vb (lo from the sliding window, if any). */
+/* The first key a token at ps sees: 0, or the start of its sliding window. */
+static inline int64_t df_first_key(int64_t ps, int64_t window) {
+    return (window > 0 && ps - window + 1 > 0) ? ps - window + 1 : 0;
+}
+
+/* One token's attention for one KV head: keys lo..ps of kb/vb (lo from the sliding window, if any). nk,
+   nk_lines: cache lines for the head-size-64 items to pull into L2 meanwhile (df_item64). */
 static void df_attend_one(const uint16_t* qr, const uint16_t* kb, const uint16_t* vb, int64_t ps, int64_t window,
-                          int64_t G, int64_t D, float scale, float* sc, uint16_t* o) {
-    int64_t lo = (window > 0 && ps - window + 1 > 0) ? ps - window + 1 : 0;
+                          int64_t G, int64_t D, float scale, float* sc, uint16_t* o, const char* nk,
+                          int64_t nk_lines) {
+    int64_t lo = df_first_key(ps, window);
     const uint16_t* kl = kb + lo * D;
     const uint16_t* vl = vb + lo * D;
     int64_t n = ps + 1 - lo;
-    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, n, scale, sc, o);
-    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, sc, o);
-    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, sc, o);
-    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, sc, o);
+    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
+    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
+    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
+    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
     else if (D == 64) item_bf16_64(qr, D, kl, vl, n, G, D, scale, sc, o);
     else if (D == 128) item_bf16_128(qr, D, kl, vl, n, G, D, scale, sc, o);
     else item_bf16_any(qr, D, kl, vl, n, G, D, scale, sc, o);
@@ -388,6 +407,10 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     int steal[4], any_steal = 0;
     for (int j = 0; j < 4; j++) any_steal |= steal[j] = nt > 1 && gm_stealable(T, gk[j]);
     gm_run* runs = any_steal ? (gm_run*)aligned_alloc(64, sizeof(gm_run) * 4 * L * nt) : NULL;
+    /* Attention item counters, one per layer on its own cache line, zeroed here: no barrier resets them. */
+    const int64_t nitems = nblk * NKV;
+    df_claim claims[L > 0 ? L : 1];
+    memset(claims, 0, sizeof(df_claim) * (L > 0 ? L : 1));
     if (runs)
         for (int64_t l = 0; l < L; l++)
             for (int j = 0; j < 4; j++) gm_runs_init(runs + (l * 4 + j) * nt, (gn[j] + GM_NR - 1) / GM_NR, nt);
@@ -432,9 +455,18 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                     memcpy(c, o, sizeof(uint16_t) * D);
                 }
             }
-            /* 3. Attention by (block, KV head) items; they differ in size, so shared dynamically. */
-            _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t it = 0; it < nblk * NKV; it++) {
+            /* 3. Attention by (block, KV head) items; they differ in size, so shared dynamically: each thread
+               claims its next item before it runs this one, which pulls the next one's first keys into L2. */
+            for (int64_t it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED), nx; it < nitems; it = nx) {
+                nx = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED);
+                const char* nk = NULL;
+                int64_t nk_lines = 0;
+                if (nx < nitems) {
+                    const int64_t nt0 = blk_t[nx / NKV], lo = df_first_key(pos[nt0], windows[l]);
+                    const int64_t keys = pos[nt0] + 1 - lo;
+                    nk = (const char*)(kc + slots[nt0] * c_ss + (nx % NKV) * c_sh + lo * D);
+                    nk_lines = (keys < DF_PREFETCH_KEYS ? keys : DF_PREFETCH_KEYS) * D * 2 / 64;
+                }
                 int64_t b = it / NKV, kv = it % NKV, t0 = blk_t[b], nb = blk_n[b] < 0 ? -blk_n[b] : blk_n[b];
                 const uint16_t* kb = kc + slots[t0] * c_ss + kv * c_sh;
                 const uint16_t* vb = vc + slots[t0] * c_ss + kv * c_sh;
@@ -449,10 +481,11 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                     df_block64(qp, op, nb * G, G, kb, vb, pos[t0] + 1, scale, sc, (uint16_t*)wb);
                     continue;
                 }
-                for (int64_t t = t0; t < t0 + nb; t++)
+                for (int64_t t = t0; t < t0 + nb; t++) /* a run's tokens share keys: the last one prefetches */
                     df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, pos[t], windows[l], G, D, scale, sc,
-                                  attn + t * NH * D + kv * G * D);
+                                  attn + t * NH * D + kv * G * D, t + 1 == t0 + nb ? nk : NULL, nk_lines);
             }
+            _Pragma("omp barrier")
             /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back. */
             if (ngrp) {
                 _Pragma("omp for schedule(static)")
@@ -468,7 +501,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                         memcpy(kb + ps * D, own, sizeof(uint16_t) * D);
                         memcpy(vb + ps * D, own + NKV * D, sizeof(uint16_t) * D);
                         df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, ps, windows[l], G, D, scale, sc,
-                                      attn + t * NH * D + kv * G * D);
+                                      attn + t * NH * D + kv * G * D, NULL, 0);
                     }
                     memcpy(kb + ps * D, ksave, sizeof(uint16_t) * D);
                     memcpy(vb + ps * D, vsave, sizeof(uint16_t) * D);
