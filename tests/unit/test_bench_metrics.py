@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
+from aiohttp import web
 
-from nxdserve.bench.client import BenchClient, Endpoint, RequestRecord, SamplingOptions, build_payload
+from nxdserve.bench.client import BenchClient, BenchError, Endpoint, RequestRecord, SamplingOptions, build_payload
 from nxdserve.bench.datasets import SampleRequest
 from nxdserve.bench.metrics import (
     calculate_metrics,
@@ -153,13 +155,42 @@ def _sse(events: Sequence[dict[str, Any] | str]) -> bytes:
     return out
 
 
-def _client(body: bytes, status: int = 200, endpoint: Endpoint = "/v1/completions") -> BenchClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        payload = json.loads(request.content)
-        assert payload["stream"] is True and payload["stream_options"] == {"include_usage": True}
-        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+@contextlib.asynccontextmanager
+async def _client(
+    body: bytes, status: int = 200, endpoint: Endpoint = "/v1/completions", pieces: int = 1
+) -> AsyncIterator[BenchClient]:
+    """A client against a real local HTTP server that answers every POST with ``body``, sent in ``pieces``
+    writes (so that lines straddle network reads), after checking the request asks for a usage chunk."""
 
-    return BenchClient("http://127.0.0.1:1", endpoint, transport=httpx.MockTransport(handler))
+    async def handler(request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        if payload["stream"] is not True or payload["stream_options"] != {"include_usage": True}:
+            return web.Response(status=422, text="not a streaming request with usage")
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        size = -(-len(body) // pieces)
+        for i in range(0, len(body), size):
+            await resp.write(body[i : i + size])
+            await asyncio.sleep(0.005)  # separate network reads
+        await resp.write_eof()
+        return resp
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post(endpoint, handler)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with BenchClient(f"http://127.0.0.1:{port}", endpoint) as client:
+            yield client
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.anyio
@@ -183,6 +214,28 @@ async def test_completion_stream_timing_and_usage() -> None:
     # As vllm bench serve counts them: every chunk with choices, the final usage chunk (no choices) not.
     assert len(r.itl) == 3 and len(r.chunk_times) == 4
     assert r.chunk_times[0] == pytest.approx(r.start_time + r.ttft)
+
+
+@pytest.mark.anyio
+async def test_stream_lines_split_across_reads_with_crlf_and_no_final_newline() -> None:
+    events = [{"choices": [{"index": 0, "text": t}]} for t in ("a", "bc", "d")]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events)
+    body += b": a comment\n\ndata: " + json.dumps({"choices": [], "usage": {"completion_tokens": 3}}).encode()
+    async with _client(body, pieces=7) as client:  # 7 writes: most lines are cut in two
+        r = await client.send(SampleRequest("q", 1, 3), "m", SamplingOptions())
+        assert await client.list_models() == [{"id": "m", "object": "model"}]
+    assert r.success and r.generated_text == "abcd" and r.output_tokens == 3
+    assert len(r.chunk_times) == 3 and len(r.itl) == 2
+    assert r.itl == pytest.approx([b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)])
+
+
+@pytest.mark.anyio
+async def test_unreachable_server_is_a_bench_error_and_a_failed_request() -> None:
+    async with BenchClient("http://127.0.0.1:1") as client:
+        with pytest.raises(BenchError):
+            await client.list_models()
+        r = await client.send(SampleRequest("q", 1, 3), "m", SamplingOptions())
+    assert not r.success and r.done and "Connect" in r.error
 
 
 @pytest.mark.anyio
