@@ -46,6 +46,23 @@ int64_t decode_forward_block_min(void) { return df_block_min_tokens; }
 
 typedef struct { int64_t next; char pad[56]; } __attribute__((aligned(64))) df_claim;
 
+/* RoPE on one head's first half & ~15 pairs, 16 at a time: (a, b) = (o[d], o[d + half]) ->
+   (bf16(bf16(a c) - bf16(b s)), bf16(bf16(b c') + bf16(a s'))), the eager layer's roundings (x + -y is x - y). */
+static inline void df_rope16(uint16_t* o, const uint16_t* cr, const uint16_t* sr, int64_t half) {
+    for (int64_t d = 0; d + 16 <= half; d += 16) {
+        __m512 a = gm_widen(_mm256_loadu_si256((const __m256i*)(o + d)));
+        __m512 b = gm_widen(_mm256_loadu_si256((const __m256i*)(o + half + d)));
+        __m512 c0 = gm_widen(_mm256_loadu_si256((const __m256i*)(cr + d)));
+        __m512 s0 = gm_widen(_mm256_loadu_si256((const __m256i*)(sr + d)));
+        __m512 c1 = gm_widen(_mm256_loadu_si256((const __m256i*)(cr + half + d)));
+        __m512 s1 = gm_widen(_mm256_loadu_si256((const __m256i*)(sr + half + d)));
+        __m512 ac = gm_widen(gm_round(_mm512_mul_ps(a, c0))), bs = gm_widen(gm_round(_mm512_mul_ps(b, s0)));
+        __m512 bc = gm_widen(gm_round(_mm512_mul_ps(b, c1))), as = gm_widen(gm_round(_mm512_mul_ps(a, s1)));
+        _mm256_storeu_si256((__m256i*)(o + d), gm_round(_mm512_sub_ps(ac, bs)));
+        _mm256_storeu_si256((__m256i*)(o + half + d), gm_round(_mm512_add_ps(bc, as)));
+    }
+}
+
 /* Share [lo, hi) of n items for thread tid of nt. */
 static inline void df_share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
     *lo = n * tid / nt;
@@ -442,7 +459,8 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 if (hd < NH + NKV) {
                     const uint16_t* cr = cos + t * D;
                     const uint16_t* sr = sin + t * D;
-                    for (int64_t d = 0; d < half; d++) {
+                    df_rope16(o, cr, sr, half);
+                    for (int64_t d = half & ~(int64_t)15; d < half; d++) { /* what df_rope16 leaves */
                         float a = bf2f(o[d]), b = bf2f(o[d + half]);
                         o[d] = f2bf(R_bf16(R_bf16(a * bf2f(cr[d])) + R_bf16(-b * bf2f(sr[d]))));
                         o[d + half] = f2bf(R_bf16(R_bf16(b * bf2f(cr[d + half])) + R_bf16(a * bf2f(sr[d + half]))));
