@@ -474,7 +474,8 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 }
             }
             /* 3. Attention by (block, KV head) items; they differ in size, so shared dynamically: each thread
-               claims its next item before it runs this one, which pulls the next one's first keys into L2. */
+               claims its next item before it runs this one, and a single-token item pulls the next one's first
+               keys into L2 (a block is bound by its arithmetic; measured, prefetching there bought nothing). */
             for (int64_t it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED), nx; it < nitems; it = nx) {
                 nx = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED);
                 const char* nk = NULL;
