@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nxdserve.engine.models import greedy_head
 from nxdserve.errors import InvalidRequestError, RequestTooLongError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.helpers.engine import PROMPTS, run_to_completion, shared_core, tokenize
@@ -159,3 +160,28 @@ def test_min_tokens_and_stop_token_ids() -> None:
     assert out.token_ids == free[: free.index(stop_id) + 1]
     masked = run_to_completion(core, [prompt], greedy(max_tokens=8, stop_token_ids=[stop_id], min_tokens=6))[0]
     assert stop_id not in masked.outputs[0].token_ids[:6]
+
+
+@pytest.mark.skipif(not greedy_head.available(), reason="no AVX512-VNNI/BF16 C kernels here")
+def test_greedy_tokens_from_the_lm_head_screen_equal_the_full_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 (the screen's dtype), 16 prompts decoding together: the screen answers the plain greedy steps, and
+    # every token equals the one the full head's logits give.
+    core = shared_core(**CHUNKED, dtype="bfloat16")
+    screen = core.backend.runner.model.greedy_head  # type: ignore[attr-defined]
+    prompts = tokenize(core, PROMPTS)
+    calls = []
+    original = screen.argmax
+
+    def counted(hidden: object, vocab: int) -> object:
+        got = original(hidden, vocab)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(screen, "argmax", counted)
+    with_screen = [o.outputs[0].token_ids for o in run_to_completion(core, prompts, greedy(24))]
+    assert calls and all(calls)
+    monkeypatch.setattr(greedy_head, "enabled", False)
+    calls.clear()
+    full_head = [o.outputs[0].token_ids for o in run_to_completion(core, prompts, greedy(24))]
+    assert calls and not any(calls)
+    assert with_screen == full_head

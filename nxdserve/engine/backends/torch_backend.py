@@ -158,8 +158,12 @@ class TorchBackend(Backend):
         verify_index, verify_valid = rows.verification_positions()
         sampled_hidden = hidden[torch.from_numpy(verify_index[verify_valid]).to(self.device)]
         alt_logits = None
+        logits = greedy = None
         if alts is None:
-            logits = self.runner.logits(sampled_hidden) if rows.sampled.size else None
+            if rows.sampled.size and rows.width == 1 and self.sampler.plain_greedy(rows.slots[rows.sampled], batch):
+                greedy = self.runner.greedy_tokens(sampled_hidden, self.sampler.vocab_size)
+            if rows.sampled.size and greedy is None:
+                logits = self.runner.logits(sampled_hidden)
         else:  # one pass over the LM head's weights for the rows' positions and the alternatives
             num_rows_tokens = int(rows.offsets[-1])
             alt_hidden = hidden[num_rows_tokens:]
@@ -174,7 +178,10 @@ class TorchBackend(Backend):
         out_tokens = np.full((rows.num_rows, rows.width), -1, dtype=np.int64)
         num_sampled = np.zeros(rows.num_rows, dtype=np.int64)
         logprobs: LogprobsBlock | None = None
-        if logits is not None:
+        if greedy is not None:  # plain greedy rows: the LM head gave the argmax itself
+            out_tokens[rows.sampled, 0] = greedy.numpy()
+            num_sampled[rows.sampled] = 1
+        elif logits is not None:
             if rows.width == 1:  # no drafts anywhere: plain sampling
                 out = self.sampler.sample(logits, rows.slots[rows.sampled], batch)
                 out_tokens[rows.sampled, 0] = out.token_ids.cpu().numpy()

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nxdserve.engine.models import decode_source, gemm_source
+from nxdserve.engine.models import decode_source, gemm_source, greedy_head_source
 
 logger = logging.getLogger(__name__)
 
@@ -313,6 +313,7 @@ DEFINE_ARGMAX(f32, uint32_t, int32_t, 0x7fffffffu, 0x7f800000u, INT32_MAX)
 """
     + gemm_source.SOURCE
     + decode_source.SOURCE
+    + greedy_head_source.SOURCE
 )
 
 # -ffast-math lets GCC vectorise exp (libmvec) and the fp32 sums; no inf/NaN reach the kernels' own
@@ -406,6 +407,14 @@ def _library() -> ctypes.CDLL | None:
             lib.decode_forward_set_block_min.restype = None
             lib.decode_forward_block_min.argtypes = []
             lib.decode_forward_block_min.restype = _i64
+        lib.greedy_head_available.restype = _int
+        if lib.greedy_head_available():
+            # x, M, K, x row stride, rest, KR, outliers, KS, wq, ws, column arrays, csum, packed head, N, out,
+            # scratch: xq, xs, row floats, list indices, list bounds; threads
+            lib.greedy_head_argmax.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64] + [_ptr] * 5 + [
+                _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int
+            ]
+            lib.greedy_head_argmax.restype = _i64
         lib.gemm_available.restype = _int
         if lib.gemm_available():
             # x, M, K, x row stride, packed w, bias, residual, residual row stride, N, out, out row stride, threads

@@ -26,6 +26,7 @@ from nxdserve.engine.models.attention import (
     slot_attention,
 )
 from nxdserve.engine.models.fused_decode import FusedDecode
+from nxdserve.engine.models.greedy_head import GreedyHead
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
 from nxdserve.engine.models.spec import ModelSpec
@@ -195,6 +196,7 @@ class LlamaFamilyModel(nn.Module):
         inv_freq, scaling = rope_inv_freq(hf_config, spec.head_dim, spec.rope_type)
         self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
         self.windows = frozenset(spec.sliding_windows)
+        self.greedy_head = GreedyHead(self.lm_head_weight)
         self.fused_decode = FusedDecode(
             spec, self.layers, self.rope, final_norm=self.norm, embed_weight=self.embed_weight
         )
@@ -245,6 +247,12 @@ class LlamaFamilyModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> float32 logits (..., vocab)."""
         return linear(hidden, self.lm_head_weight).float()
+
+    @torch.inference_mode()
+    def compute_greedy(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """``compute_logits(hidden)[:, :vocab].argmax(-1)``, same indices, without the logits where the CPU
+        screen applies (``greedy_head``); None elsewhere."""
+        return self.greedy_head.argmax(hidden, vocab)
 
     # -- weight loading ------------------------------------------------------------------------------
 

@@ -93,3 +93,8 @@ class SlotModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (..., vocab) for hidden states (..., hidden)."""
         return self.model.compute_logits(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """(N,) argmax of ``logits(hidden)[:, :vocab]`` without the logits, or None where that shortcut does
+        not apply (the caller then takes the logits)."""
+        return self.model.compute_greedy(hidden, vocab)

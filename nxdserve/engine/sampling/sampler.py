@@ -96,6 +96,14 @@ class Sampler:
         logprobs = compute_logprobs(raw, tokens, num_top) if num_top >= 0 else None
         return SampleOutput(token_ids=tokens, logprobs=logprobs)
 
+    def plain_greedy(self, slots: np.ndarray, batch: PersistentBatch) -> bool:
+        """Whether ``sample`` would take a plain argmax for these rows (greedy, no processors, no logprobs):
+        then the argmax may come straight from the LM head (``SlotModelRunner.greedy_tokens``)."""
+        rows = RowParams.gather(batch, slots)
+        if not rows.greedy.all() or int(rows.num_logprobs.max(initial=-1)) >= 0:
+            return False
+        return ProcessorPlan.build(rows, self._slot_tables(batch)).empty
+
     def verify(
         self,
         logits: torch.Tensor,
