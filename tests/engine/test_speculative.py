@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nxdserve.engine.core import EngineCore
+from nxdserve.engine.models import greedy_head
 from nxdserve.engine.speculative.eagle_head import EagleHead, head_config_from_target, save_eagle_head
 from nxdserve.model_files import resolve_model
 from nxdserve.sampling_params import SamplingParams
@@ -301,3 +302,29 @@ def test_eagle_skips_its_cache_update_at_large_batch_while_drafting_is_off(monke
     assert spec_counts(core)[0] == 0  # the last request to finish had a hole: it never drafted
     assert token_ids(run_to_completion(core, prompts[:1], greedy(16))) == expected[:1]
     assert spec_counts(core)[0] > 0  # alone in a reused slot: drafts again
+
+
+@pytest.mark.skipif(not greedy_head.available(), reason="no AVX512-VNNI/BF16 C kernels here")
+def test_bf16_verification_from_the_lm_head_screen_is_lossless(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16, where greedy rows take their argmax from the LM-head screen (``greedy_head``), verification
+    rows included: n-gram speculation gives exactly the plain tokens, and the screen answered every step."""
+    settings = {"max_model_len": 96, "dtype": "bfloat16", **MODES["chunked"]}
+    plain = make_core(**settings)
+    spec = make_core(**settings, speculative_config=method_config("ngram", None))
+    screen = spec.backend.runner.model.greedy_head  # type: ignore[attr-defined]
+    answered = []
+    original = screen.argmax
+
+    def counted(hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        got = original(hidden, vocab)
+        answered.append(got is not None)
+        return got
+
+    monkeypatch.setattr(screen, "argmax", counted)
+    texts = ["1, 2, 3, 4, 5, 6,", "The cat sat on the mat. The cat sat on the", *PROMPT_TEXTS[:6]]
+    prompts = tokenize(plain, texts)
+    assert token_ids(run_to_completion(spec, prompts, greedy(40))) == token_ids(
+        run_to_completion(plain, prompts, greedy(40)))
+    drafted, accepted = spec_counts(spec)
+    assert drafted > 0 and accepted > 0
+    assert answered and all(answered)

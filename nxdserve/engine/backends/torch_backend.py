@@ -34,6 +34,7 @@ from nxdserve.engine.models import SlotModelRunner, resolve_device, resolve_dtyp
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
 from nxdserve.engine.models.cpu_threads import ThreadGovernor
 from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.sampling.sampler import accept_greedy
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ class TorchBackend(Backend):
         alt_logits = None
         logits = greedy = None
         if alts is None:
-            if rows.sampled.size and rows.width == 1 and self.sampler.plain_greedy(rows.slots[rows.sampled], batch):
+            if rows.sampled.size and self.sampler.plain_greedy(rows.slots[rows.sampled], batch):
+                # (valid positions,): each row's tokens, and for drafting rows every draft position's
                 greedy = self.runner.greedy_tokens(sampled_hidden, self.sampler.vocab_size)
             if rows.sampled.size and greedy is None:
                 logits = self.runner.logits(sampled_hidden)
@@ -178,9 +180,16 @@ class TorchBackend(Backend):
         out_tokens = np.full((rows.num_rows, rows.width), -1, dtype=np.int64)
         num_sampled = np.zeros(rows.num_rows, dtype=np.int64)
         logprobs: LogprobsBlock | None = None
-        if greedy is not None:  # plain greedy rows: the LM head gave the argmax itself
+        if greedy is not None and rows.width == 1:  # plain greedy rows: the LM head gave the argmax itself
             out_tokens[rows.sampled, 0] = greedy.numpy()
             num_sampled[rows.sampled] = 1
+        elif greedy is not None:  # greedy verification from the same argmaxes
+            target = torch.zeros(rows.sampled.size, rows.width, dtype=torch.long)  # padding: argmax of zeros
+            target[torch.from_numpy(verify_valid)] = greedy
+            _, num_drafts, draft_ids = self._drafts(batch, rows)
+            out = accept_greedy(target, torch.from_numpy(draft_ids), torch.from_numpy(num_drafts))
+            out_tokens[rows.sampled] = out.token_ids.numpy()
+            num_sampled[rows.sampled] = out.num_tokens.numpy()
         elif logits is not None:
             if rows.width == 1:  # no drafts anywhere: plain sampling
                 out = self.sampler.sample(logits, rows.slots[rows.sampled], batch)
@@ -250,13 +259,7 @@ class TorchBackend(Backend):
         else:
             logits = flat_logits.new_zeros(rows.sampled.size, width, flat_logits.shape[-1])
             logits[torch.from_numpy(verify_valid).to(device)] = flat_logits
-        # Drafts are each row's last num_drafts tokens; read them back from the batch, -1 padded.
-        slots = rows.slots[rows.sampled]
-        num_drafts = rows.drafts[rows.sampled]
-        first_draft = rows.starts[rows.sampled] + rows.lens[rows.sampled] - num_drafts
-        col = np.arange(width - 1)[None, :]
-        draft_pos = first_draft[:, None] + np.minimum(col, np.maximum(num_drafts[:, None] - 1, 0))
-        draft_ids = np.where(col < num_drafts[:, None], batch.token_ids[slots[:, None], draft_pos], -1)
+        slots, num_drafts, draft_ids = self._drafts(batch, rows)
         draft_probs = None
         if plan_draft_probs is not None:  # (R, max_drafts, V) over plan rows
             probs = plan_draft_probs
@@ -270,6 +273,18 @@ class TorchBackend(Backend):
             batch,
             draft_probs,
         )
+
+    @staticmethod
+    def _drafts(batch: PersistentBatch, rows: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sampled rows' slots, draft counts and drafts (R, W - 1), -1 padded: each row's last
+        num_drafts tokens, read back from the batch."""
+        slots = rows.slots[rows.sampled]
+        num_drafts = rows.drafts[rows.sampled]
+        first_draft = rows.starts[rows.sampled] + rows.lens[rows.sampled] - num_drafts
+        col = np.arange(rows.width - 1)[None, :]
+        draft_pos = first_draft[:, None] + np.minimum(col, np.maximum(num_drafts[:, None] - 1, 0))
+        draft_ids = np.where(col < num_drafts[:, None], batch.token_ids[slots[:, None], draft_pos], -1)
+        return slots, num_drafts, draft_ids
 
     def _prompt_logprobs(self, batch: PersistentBatch, hidden: torch.Tensor, rows: _Rows) -> dict[int, LogprobsBlock]:
         """Row -> logprobs of the prompt tokens that this chunk's positions predict (p + 1 < prompt len)."""
@@ -296,10 +311,14 @@ class TorchBackend(Backend):
     def _warm_up(self) -> None:
         # The first oneDNN GEMMs of each shape are slow; run a small prefill and a decode on slot 0 now
         # so the first request does not pay for it. Slot 0's cache is overwritten by its next prefill.
-        n = min(8, self.runner.max_len - 1)
-        self.runner.run(torch.zeros(n, dtype=torch.long), np.array([0]), np.array([0]), np.array([n]))
+        # The prompt is arbitrary token ids (not one repeated id): its final hidden states also calibrate the
+        # greedy LM-head screen, packed here rather than on the first request.
+        n = min(32, self.runner.max_len - 1)
+        prompt = (torch.arange(n, dtype=torch.long) * 97 + 1000) % self.model.vocab_size
+        prefill = self.runner.run(prompt, np.array([0]), np.array([0]), np.array([n]))
         hidden = self.runner.run(torch.zeros(1, dtype=torch.long), np.array([0]), np.array([n]), np.array([1]))
         self.runner.logits(hidden)
+        self.runner.greedy_tokens(prefill, self.model.vocab_size)
 
 
 @dataclass

@@ -373,7 +373,11 @@ def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch
     """All-greedy rows without processors or logprobs: accept while a draft equals the target's argmax,
     then the argmax after the accepted prefix (the bonus token when all were accepted). One argmax
     over (N, W, V) instead of the general path's per-position gathers (measured ~1 ms a step at batch 1)."""
-    target = argmax(logits)  # (N, W)
+    return accept_greedy(argmax(logits), drafts, num_drafts)
+
+
+def accept_greedy(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> VerifyOutput:
+    """``_verify_greedy`` given the target's argmax at every position, ``target`` (N, W)."""
     width = target.shape[1]
     if width > 1:
         col = torch.arange(width - 1, device=target.device)[None, :]
