@@ -27,7 +27,7 @@ from nxdserve.api.responses import (
     now,
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
-from nxdserve.api.streaming import DONE_FRAME, respond, sse_frame
+from nxdserve.api.streaming import DONE_FRAME, TextChunkFrames, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
 from nxdserve.errors import NxdServeError
 
@@ -133,6 +133,7 @@ class _ChatView:
         """Chat SSE frames: a role chunk per choice first, content deltas, finish_reason on each
         choice's last chunk, an optional usage chunk, then [DONE] (also after an error frame)."""
         created = now()
+        fast = TextChunkFrames(self.response_id, "chat.completion.chunk", created, self.model, chat=True)
         states = [ChoiceState(index=i) for i in range(len(streams))]
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -158,10 +159,14 @@ class _ChatView:
                 token_ids, steps = st.token_ids[seen_tokens:], st.logprobs[seen_logprobs:]
                 if not text and not token_ids and st.finish_reason is None:
                     continue
+                logprobs = self._logprobs(token_ids, steps)
+                if logprobs is None and not continuous:  # a token's chunk: from the template
+                    yield fast.frame(i, text, st.finish_reason, st.stop_reason)
+                    continue
                 choice = ChatStreamChoice(
                     index=i,
                     delta=DeltaMessage(content=text),
-                    logprobs=self._logprobs(token_ids, steps),
+                    logprobs=logprobs,
                     finish_reason=st.finish_reason,
                     stop_reason=st.stop_reason,
                 )

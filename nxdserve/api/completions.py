@@ -29,7 +29,7 @@ from nxdserve.api.responses import (
     now,
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
-from nxdserve.api.streaming import DONE_FRAME, respond, sse_frame
+from nxdserve.api.streaming import DONE_FRAME, TextChunkFrames, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
 
 
@@ -131,6 +131,7 @@ class _CompletionView:
         """SSE frames: one choice per chunk, finish_reason on each choice's last chunk only, then an
         optional usage chunk with ``choices: []``, then [DONE] (also after an error frame)."""
         created = now()
+        fast = TextChunkFrames(self.response_id, "text_completion", created, self.model, chat=False)
         states = [ChoiceState(index=i) for i in range(len(streams))]
         offsets = [0] * len(streams)
         opts = self.req.stream_options
@@ -153,10 +154,15 @@ class _CompletionView:
                     steps = self._prompt_logprob_steps(st) + steps
                 if not text and not token_ids and st.finish_reason is None:
                     continue  # nothing new to say (e.g. text held back by a stop-string check)
+                logprobs = self._logprobs(token_ids, steps, offsets[i])
+                if logprobs is None and not continuous:  # a token's chunk: from the template
+                    yield fast.frame(i, text, st.finish_reason, st.stop_reason)
+                    offsets[i] += len(text)
+                    continue
                 choice = CompletionChoice(
                     index=i,
                     text=text,
-                    logprobs=self._logprobs(token_ids, steps, offsets[i]),
+                    logprobs=logprobs,
                     finish_reason=st.finish_reason,
                     stop_reason=st.stop_reason,
                 )

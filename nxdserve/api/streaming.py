@@ -38,6 +38,34 @@ def sse_frame(payload: BaseModel | Mapping[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
+class TextChunkFrames:
+    """The SSE frame of a one-choice stream chunk whose only news is text, written straight from a template.
+
+    Exactly what ``sse_frame`` makes of the pydantic chunk (same keys in the same order, exclude_unset), for
+    ``choices: [{index, text | delta.content, logprobs: null, finish_reason, stop_reason}]`` chunks without
+    usage. A streamed token is one of these; building and dumping two pydantic models for it cost about a
+    fifth of the event loop's time on 32 streams.
+    """
+
+    def __init__(self, response_id: str, obj: str, created: int, model: str, *, chat: bool) -> None:
+        self._head = (
+            f'data: {{"id":{_dumps(response_id)},"object":{_dumps(obj)},"created":{created},'
+            f'"model":{_dumps(model)},"choices":[{{"index":'
+        )
+        self._text_key = ',"delta":{"content":' if chat else ',"text":'
+        self._text_end = "}" if chat else ""
+
+    def frame(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+        return (
+            f"{self._head}{index}{self._text_key}{_dumps(text)}{self._text_end},\"logprobs\":null,"
+            f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}]}}\n\n'
+        )
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
