@@ -43,6 +43,22 @@ typedef struct { const float *sw, *swb, *swc2, *dw, *l2; const int32_t* csum; } 
 /* Per row, slack included: s_x; A = ||x_R||_1 / 2; ||x_R||_2; ||x_R - s_x q||_2; C (the fp32 sums). */
 typedef struct { float *sx, *a, *x2, *dx, *c; } gh_rows;
 
+/* acc[r][v] = OP(acc[r][v], 4 bytes of x's row r at step k broadcast, the panel's vector v at step k) for
+   k < steps: the register tile's loop, for int8 quads (vpdpbusd) and bf16 pairs (vdpbf16ps) alike. A panel
+   step is 48 columns x 4 bytes; x rows are x_s elements apart. */
+#define GH_STEPS(MR, VT, acc, steps, w, x, x_s, OP)                                                    \
+    for (int64_t k = 0; k < (steps); k++, w += 192 / sizeof(*(w))) {                                   \
+        const VT w0 = (VT)_mm512_load_si512(w), w1 = (VT)_mm512_load_si512((const char*)(w) + 64);     \
+        const VT w2 = (VT)_mm512_load_si512((const char*)(w) + 128);                                   \
+        for (int r = 0; r < MR; r++) {                                                                 \
+            int32_t xv; memcpy(&xv, (const char*)((x) + r * (x_s)) + 4 * k, 4);                        \
+            const VT b = (VT)_mm512_set1_epi32(xv);                                                    \
+            acc[r][0] = OP(acc[r][0], b, w0);                                                          \
+            acc[r][1] = OP(acc[r][1], b, w1);                                                          \
+            acc[r][2] = OP(acc[r][2], b, w2);                                                          \
+        }                                                                                              \
+    }
+
 /* The three phases of a tile are separate functions, each with its own 24 accumulators in registers (in one
    function GCC kept them in memory). f (MR x 48 fp32, 64-byte aligned) carries the sums between them. */
 #define GH_KERNEL(MR)                                                                                  \
@@ -51,17 +67,7 @@ static __attribute__((noinline)) void gh_int8_##MR(const uint8_t* xq, int64_t xq
     __v16si acc[MR][3]; /* the builtin's own type: with __m512i GCC 12 keeps the array in memory */  \
     for (int r = 0; r < MR; r++)                                                                       \
         for (int v = 0; v < 3; v++) acc[r][v] = (__v16si)_mm512_setzero_si512();                       \
-    for (int64_t k4 = 0; k4 < K4; k4++, wq += 192) {                                                   \
-        __v16si w0 = (__v16si)_mm512_load_si512(wq), w1 = (__v16si)_mm512_load_si512(wq + 64);         \
-        __v16si w2 = (__v16si)_mm512_load_si512(wq + 128);                                             \
-        for (int r = 0; r < MR; r++) {                                                                 \
-            int32_t q; memcpy(&q, xq + r * xq_s + 4 * k4, 4);                                          \
-            __v16si b = (__v16si)_mm512_set1_epi32(q);                                                 \
-            acc[r][0] = __builtin_ia32_vpdpbusd_v16si(acc[r][0], b, w0);                               \
-            acc[r][1] = __builtin_ia32_vpdpbusd_v16si(acc[r][1], b, w1);                               \
-            acc[r][2] = __builtin_ia32_vpdpbusd_v16si(acc[r][2], b, w2);                               \
-        }                                                                                              \
-    }                                                                                                  \
+    GH_STEPS(MR, __v16si, acc, K4, wq, xq, xq_s, __builtin_ia32_vpdpbusd_v16si)                        \
     for (int v = 0; v < 3; v++) {                                                                      \
         /* q was stored as q + 128: take 128 x the column's sum of c back out. */                     \
         __m512i off = _mm512_slli_epi32(_mm512_load_si512(col_sum + 16 * v), 7);                       \
@@ -77,17 +83,7 @@ static __attribute__((noinline)) void gh_bf16_##MR(const uint16_t* xs, int64_t x
     __m512 acc[MR][3];                                                                                 \
     for (int r = 0; r < MR; r++)                                                                       \
         for (int v = 0; v < 3; v++) acc[r][v] = _mm512_load_ps(f + r * 48 + 16 * v);                  \
-    for (int64_t k2 = 0; k2 < S2; k2++, ws += 96) {                                                    \
-        __m512bh w0 = (__m512bh)_mm512_load_si512(ws), w1 = (__m512bh)_mm512_load_si512(ws + 32);     \
-        __m512bh w2 = (__m512bh)_mm512_load_si512(ws + 64);                                            \
-        for (int r = 0; r < MR; r++) {                                                                 \
-            int32_t xv; memcpy(&xv, xs + r * xs_s + 2 * k2, 4);                                        \
-            __m512bh b = (__m512bh)_mm512_set1_epi32(xv);                                              \
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);                                            \
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);                                            \
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b, w2);                                            \
-        }                                                                                              \
-    }                                                                                                  \
+    GH_STEPS(MR, __m512bh, acc, S2, ws, xs, xs_s, _mm512_dpbf16_ps)                                    \
     for (int r = 0; r < MR; r++)                                                                       \
         for (int v = 0; v < 3; v++) _mm512_store_ps(f + r * 48 + 16 * v, acc[r][v]);                   \
 }                                                                                                      \
