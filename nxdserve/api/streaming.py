@@ -43,8 +43,8 @@ class TextChunkFrames:
 
     Exactly what ``sse_frame`` makes of the pydantic chunk (same keys in the same order, exclude_unset), for
     ``choices: [{index, text | delta.content, logprobs: null, finish_reason, stop_reason}]`` chunks without
-    usage. A streamed token is one of these; building and dumping two pydantic models for it cost about a
-    fifth of the event loop's time on 32 streams.
+    usage. A streamed token is one of these; building and dumping two pydantic models for it took ~6% of the
+    event loop's CPU on 32 streams (served workload a: 3.60 vs 3.39 s over 8 runs).
     """
 
     def __init__(self, response_id: str, obj: str, created: int, model: str, *, chat: bool) -> None:

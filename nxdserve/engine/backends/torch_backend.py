@@ -96,6 +96,9 @@ class TorchBackend(Backend):
 
             sampler = Sampler(self.model.vocab_size, self.device, seed=config.seed)
         self.sampler = sampler
+        # Only a bf16 head on the CPU can give greedy tokens without logits (greedy_head); elsewhere the
+        # per-step plain-greedy check would be work the sampler does again.
+        self._greedy_from_head = self.dtype == torch.bfloat16 and self.device.type == "cpu"
         # Set by proposers that need the target's final hidden states (EAGLE).
         self.keep_hidden_states = False
         self._capabilities = BackendCapabilities(
@@ -161,7 +164,11 @@ class TorchBackend(Backend):
         alt_logits = None
         logits = greedy = None
         if alts is None:
-            if rows.sampled.size and self.sampler.plain_greedy(rows.slots[rows.sampled], batch):
+            if (
+                rows.sampled.size
+                and self._greedy_from_head
+                and self.sampler.plain_greedy(rows.slots[rows.sampled], batch)
+            ):
                 # (valid positions,): each row's tokens, and for drafting rows every draft position's
                 greedy = self.runner.greedy_tokens(sampled_hidden, self.sampler.vocab_size)
             if rows.sampled.size and greedy is None:

@@ -97,8 +97,9 @@ class Sampler:
         return SampleOutput(token_ids=tokens, logprobs=logprobs)
 
     def plain_greedy(self, slots: np.ndarray, batch: PersistentBatch) -> bool:
-        """Whether ``sample`` would take a plain argmax for these rows (greedy, no processors, no logprobs):
-        then the argmax may come straight from the LM head (``SlotModelRunner.greedy_tokens``)."""
+        """Whether these rows' tokens are a plain argmax (greedy, no processors, no logprobs), as ``sample``
+        and ``verify`` then take them: the argmax may come straight from the LM head
+        (``SlotModelRunner.greedy_tokens``)."""
         rows = RowParams.gather(batch, slots)
         if not rows.greedy.all() or int(rows.num_logprobs.max(initial=-1)) >= 0:
             return False
@@ -127,12 +128,7 @@ class Sampler:
         nd = num_drafts.detach().cpu().numpy().astype(np.int64)
         assert nd.shape == (n,) and (nd >= 0).all() and (nd <= max_drafts).all(), "bad num_drafts"
         slots = np.asarray(slots, dtype=np.int64)
-        request_rows = RowParams.gather(batch, slots)
-        if (
-            request_rows.greedy.all()
-            and request_rows.num_logprobs.max(initial=-1) < 0
-            and ProcessorPlan.build(request_rows, self._slot_tables(batch)).empty
-        ):
+        if self.plain_greedy(slots, batch):
             # No processor applies at the first position, so none at later ones either (drafts only
             # bring min_tokens closer): the plain argmax at every position decides.
             return _verify_greedy(logits, drafts, torch.from_numpy(nd).to(device))
