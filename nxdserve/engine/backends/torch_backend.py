@@ -155,12 +155,20 @@ class TorchBackend(Backend):
             torch.set_num_threads(threads)
         cpu0 = time.thread_time()
         limit = max(DEFAULT_BATCHED_QUERY_LIMIT, rows.width)  # verification rows share the batched SDPA
+        verify_index, verify_valid = rows.verification_positions()
+        sampled_positions = torch.from_numpy(verify_index[verify_valid])
+        # Only the sampled positions' states are read back, unless a drafter wants every token's, a row wants
+        # prompt logprobs, or alternatives ride along: then the forward need not finish the others.
+        only_sampled = (
+            alts is None
+            and not self.keep_hidden_states
+            and not (batch.num_prompt_logprobs[rows.slots] >= 0).any()
+        )
         hidden = self.runner.run(
             token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit,
-            alts=None if alts is None else alts.forward,
+            alts=None if alts is None else alts.forward, keep=sampled_positions if only_sampled else None,
         )  # fmt: skip
-        verify_index, verify_valid = rows.verification_positions()
-        sampled_hidden = hidden[torch.from_numpy(verify_index[verify_valid]).to(self.device)]
+        sampled_hidden = hidden if only_sampled else hidden[sampled_positions.to(self.device)]
         alt_logits = None
         logits = greedy = None
         if alts is None:

@@ -335,9 +335,12 @@ _SIGNATURES = {
 }
 
 # x, T, layer pointers, windows, L, final norm, eps, cos, sin, slots, pos, H, NH, NKV, D, I, c_ss, c_sh,
-# bf16 scratch, fp32 scratch, threads (see decode_source)
+# bf16 scratch, fp32 scratch, alternatives, their K/V, threads, the silu table, kept tokens and their count
+# (see decode_source)
 _DECODE_FORWARD_SIGNATURE = (
-    [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _ptr, _ptr] + [_i64] * 7 + [_ptr, _ptr, _i64, _ptr, _int]
+    [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _ptr, _ptr]
+    + [_i64] * 7
+    + [_ptr, _ptr, _i64, _ptr, _int, _ptr, _ptr, _i64]
 )
 
 
@@ -407,6 +410,8 @@ def _library() -> ctypes.CDLL | None:
             lib.decode_forward_set_block_min.restype = None
             lib.decode_forward_block_min.argtypes = []
             lib.decode_forward_block_min.restype = _i64
+            lib.decode_forward_silu_mul.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64]
+            lib.decode_forward_silu_mul.restype = None
         lib.greedy_head_available.restype = _int
         if lib.greedy_head_available():
             # x, M, K, x row stride, rest, KR, outliers, KS, wq, ws, column arrays, csum, packed head, N, out,

@@ -225,23 +225,34 @@ class LlamaFamilyModel(nn.Module):
         return SlotKVCache(s.num_layers, num_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> torch.Tensor:
-        """token_ids (T,) -> final-norm hidden states (T, hidden). T counts ``meta.alts`` after the rows."""
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: SlotKVCache,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """token_ids (T,) -> final-norm hidden states (T, hidden). T counts ``meta.alts`` after the rows.
+
+        ``keep`` (increasing token indices; not with alternatives): only those tokens' states are returned,
+        (len(keep), hidden), and the fused forward computes no more of the last layer than they need."""
         alts = meta.alts
+        if keep is not None and alts is not None:
+            raise ValueError("keep cannot be combined with draft alternatives")
         if alts is not None:
             s = self.spec
             alts.kv = torch.empty(
                 s.num_layers, alts.count, 2, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device
             )
         if self.fused_decode.accepts(token_ids, meta, kv_cache):
-            return self.fused_decode.forward(token_ids, meta, kv_cache)
+            return self.fused_decode.forward(token_ids, meta, kv_cache, keep)
         x = F.embedding(token_ids, self.embed_weight)
         positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
         cos, sin = self.rope.gather(positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return self.norm(x)
+        return self.norm(x if keep is None else x[keep.to(x.device)])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

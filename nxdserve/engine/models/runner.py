@@ -73,12 +73,14 @@ class SlotModelRunner:
         row_lens: np.ndarray,
         batched_query_limit: int | None = None,
         alts: DraftAlternatives | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run rows r = ``row_lens[r]`` tokens of slot ``row_slots[r]`` from position ``row_starts[r]``.
 
         ``token_ids`` (T,) is the rows' tokens concatenated in row order, then ``alts``' tokens if given.
         The rows' K/V are written into the slots' cache lines (the alternatives' go to ``alts.kv``);
-        returns final-norm hidden states (T, hidden) in the model dtype.
+        returns final-norm hidden states (T, hidden) in the model dtype; with ``keep`` (increasing token
+        indices, no alternatives) those tokens' only, (len(keep), hidden).
         """
         meta = self.metadata(row_slots, row_starts, row_lens, batched_query_limit)
         if alts is not None:
@@ -88,7 +90,7 @@ class SlotModelRunner:
         expected = meta.num_tokens + (0 if alts is None else alts.count)
         if token_ids.shape[0] != expected:
             raise ValueError(f"{token_ids.shape[0]} token ids for rows and alternatives totalling {expected} tokens")
-        return self.model(token_ids.to(self.device), meta, self.kv_cache)
+        return self.model(token_ids.to(self.device), meta, self.kv_cache, keep)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (..., vocab) for hidden states (..., hidden)."""
