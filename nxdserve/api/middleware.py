@@ -25,6 +25,9 @@ class RequestIdMiddleware:
             return
         request_id = Headers(scope=scope).get("x-request-id") or None
         scope.setdefault("state", {})["client_request_id"] = request_id
+        if request_id is None:  # nothing to echo: no wrapper between every streamed chunk and the socket
+            await self.app(scope, receive, send)
+            return
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start" and request_id is not None:

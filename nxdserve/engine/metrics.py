@@ -68,19 +68,27 @@ class EngineMetrics:
         self._last_token_time: dict[str, float] = {}
         for gauge in (self.num_running, self.num_waiting, self.kv_usage):
             gauge.labels(model_name).set(0)
+        # The one model's children, looked up once: ``labels()`` takes a lock and builds a key each call, and
+        # these run per step and per streamed token on the event loop.
+        m = model_name
+        self._running, self._waiting, self._kv = (self.num_running.labels(m), self.num_waiting.labels(m),
+                                                  self.kv_usage.labels(m))
+        self._prompt_tokens, self._generation_tokens = self.prompt_tokens.labels(m), self.generation_tokens.labels(m)
+        self._iteration_tokens, self._ttft, self._itl = (self.iteration_tokens.labels(m), self.ttft.labels(m),
+                                                         self.itl.labels(m))
+        self._e2e, self._queue_time = self.e2e.labels(m), self.queue_time.labels(m)
 
     def record_step(self, num_running: int, num_waiting: int, kv_usage: float, num_prefill: int,
                     num_generated: int, num_scheduled: int) -> None:
-        m = self._model
-        self.num_running.labels(m).set(num_running)
-        self.num_waiting.labels(m).set(num_waiting)
-        self.kv_usage.labels(m).set(kv_usage)
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv.set(kv_usage)
         if num_prefill:
-            self.prompt_tokens.labels(m).inc(num_prefill)
+            self._prompt_tokens.inc(num_prefill)
         if num_generated:
-            self.generation_tokens.labels(m).inc(num_generated)
+            self._generation_tokens.inc(num_generated)
         if num_scheduled:
-            self.iteration_tokens.labels(m).observe(num_scheduled)
+            self._iteration_tokens.observe(num_scheduled)
 
     def record_spec(self, num_drafts: int, num_draft_tokens: int, accepted_per_pos: list[int]) -> None:
         m = self._model
@@ -97,20 +105,19 @@ class EngineMetrics:
             self.spec_num_alternative_hits.labels(self._model).inc(num_hits)
 
     def record_output(self, out: RequestOutput, now: float) -> None:
-        m = self._model
         metrics = out.metrics
         if out.outputs and out.outputs[0].token_ids:
             last = self._last_token_time.get(out.request_id)
             if last is None:
                 if metrics.ttft is not None:
-                    self.ttft.labels(m).observe(metrics.ttft)
+                    self._ttft.observe(metrics.ttft)
             else:
-                self.itl.labels(m).observe(now - last)
+                self._itl.observe(now - last)
             self._last_token_time[out.request_id] = now
         if out.finished:
             self._last_token_time.pop(out.request_id, None)
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
-            self.request_success.labels(m, reason or "abort").inc()
-            self.e2e.labels(m).observe(now - metrics.arrival_time)
+            self.request_success.labels(self._model, reason or "abort").inc()
+            self._e2e.observe(now - metrics.arrival_time)
             if metrics.queue_time is not None:
-                self.queue_time.labels(m).observe(metrics.queue_time)
+                self._queue_time.observe(metrics.queue_time)
