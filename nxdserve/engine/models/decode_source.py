@@ -17,8 +17,10 @@ Rows may be decodes, verification rows or prefill chunks alike: every token writ
 see each other causally.
 
 Rounding follows the eager bf16 layer: every projection's output, residual sum, RMSNorm output, RoPE
-product and activation is rounded to bf16 where torch rounds it, and the GEMMs give oneDNN's bits, so
-results match the layer-by-layer path (fp32 models never use this path).
+product and activation is rounded to bf16 where torch rounds it, the GEMMs give oneDNN's bits, and the
+activation is torch's own silu, looked up (``df_silu_mul``); attention sums in its own order, so results are
+as close to fp32 as the layer-by-layer path's, not bit-equal to them (fp32 models never use this path).
+With ``keep``, the last layer finishes only the tokens whose states are read (the sampled ones).
 
 Built only where the compiler targets AVX512-BF16 (``decode_forward_available()`` says so).
 """
