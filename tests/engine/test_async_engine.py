@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -152,6 +153,29 @@ async def test_next_forward_starts_before_the_previous_steps_outputs_are_deliver
     assert sum(len(o.outputs[0].token_ids) for o in outs) == 6
     # One prefill step and five decode steps: each delivery but the last follows the next step's schedule.
     assert events == ["schedule"] + ["schedule", "deliver"] * 5 + ["deliver"]
+
+
+async def test_step_outputs_wait_until_the_next_forward_has_set_up(engine: AsyncEngine) -> None:
+    """The loop holds its output processing back until the worker thread has set up step n + 1 and entered
+    the model (``Backend.forward_started``), so that the two threads do not take turns on the GIL; so every
+    output but the last is delivered after the next forward started."""
+    core = engine.core
+    assert core is not None and core.backend.reports_forward_start
+    starts: list[float] = []
+    notify = core.backend.forward_started
+    assert notify is not None
+
+    def recording() -> None:  # in the worker thread, before the engine hears of it
+        starts.append(time.monotonic())
+        notify()
+
+    core.backend.forward_started = recording
+    seen: list[tuple[int, int]] = []  # (tokens so far, forwards started) as each output arrives
+    async for out in engine.generate("Count to ten:", _greedy(6)):
+        seen.append((out.outputs[0].cumulative_num_tokens, len(starts)))
+    assert seen[-1][0] == 6
+    for num_tokens, num_started in seen[:-1]:  # token k comes from forward k; forward k + 1 had begun
+        assert num_started >= num_tokens + 1, seen
 
 
 async def test_shutdown_leaves_no_threads() -> None:

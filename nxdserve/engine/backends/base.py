@@ -10,6 +10,7 @@ and generator.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,12 @@ class Backend(abc.ABC):
     """A model executor. ``execute`` runs in the engine's worker thread, never on the event loop."""
 
     name: str = "base"
+    # Called by ``execute`` (in the worker thread) when its own Python is done and the model's compute, which
+    # releases the GIL, begins; None: nobody listens. The async engine holds back its Python until then (where
+    # the backend says it reports it), so that the two threads do not take turns on the GIL while the step is
+    # being set up.
+    forward_started: Callable[[], None] | None = None
+    reports_forward_start: bool = False
 
     @property
     @abc.abstractmethod

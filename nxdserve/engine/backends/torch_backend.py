@@ -61,6 +61,7 @@ class SamplerLike(Protocol):
 
 class TorchBackend(Backend):
     name = "torch"
+    reports_forward_start = True
 
     def __init__(self, model_path: Path, config: EngineConfig, sampler: SamplerLike | None = None) -> None:
         if config.max_model_len is None:
@@ -167,6 +168,7 @@ class TorchBackend(Backend):
         hidden = self.runner.run(
             token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit,
             alts=None if alts is None else alts.forward, keep=sampled_positions if only_sampled else None,
+            on_compute=self.forward_started,
         )  # fmt: skip
         sampled_hidden = hidden if only_sampled else hidden[sampled_positions.to(self.device)]
         alt_logits = None

@@ -20,7 +20,7 @@ from nxdserve.engine.models import cpu_kernels, gemm
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from nxdserve.engine.models.llama import DecoderLayer, RMSNorm
     from nxdserve.engine.models.rope import RotaryTables
@@ -134,22 +134,33 @@ class FusedDecode:
         return buf
 
     def forward(
-        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache, keep: torch.Tensor | None = None
+        self,
+        token_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: SlotKVCache,
+        keep: torch.Tensor | None = None,
+        on_compute: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """token_ids (T,) -> final-norm hidden states (T, hidden), like ``LlamaFamilyModel.forward`` (and
         (len(keep), hidden) for the kept tokens only)."""
         assert self.embed_weight is not None
-        return self.run(F.embedding(token_ids, self.embed_weight).contiguous(), meta, kv_cache, keep)
+        return self.run(F.embedding(token_ids, self.embed_weight).contiguous(), meta, kv_cache, keep, on_compute)
 
     def run(
-        self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache, keep: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: SlotKVCache,
+        keep: torch.Tensor | None = None,
+        on_compute: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """x (T, hidden), contiguous, overwritten -> the stack's output (final-normed where it has a norm).
 
         ``keep``: increasing token indices (no alternatives); then only those rows are returned, and the last
         layer's attention, o, MLP and norm run for them alone (its q/k/v still run for all: the cache needs
         every token's K/V). A prompt chunk's tokens before its last are sampled by nobody: at SmolLM2's shapes
-        that skips ~84% of a layer, 1/30 of the forward, for each of them."""
+        that skips ~84% of a layer, 1/30 of the forward, for each of them. ``on_compute`` is called just before
+        the C call (which runs without the GIL)."""
         s = self.spec
         lib = cpu_kernels._library()
         assert lib is not None and x.is_contiguous()
@@ -183,6 +194,8 @@ class FusedDecode:
         scratch = self._buffer(1, threads * per_thread, torch.float32)
         k_cache, _ = kv_cache.layer(0)
         final_norm = None if self.final_norm is None else self.final_norm.weight.data_ptr()
+        if on_compute is not None:
+            on_compute()
         lib.decode_forward_bf16(
             x.data_ptr(), t, table, windows, len(self.layers), final_norm, self.eps,
             cos.data_ptr(), sin.data_ptr(), write_slots.data_ptr(), positions.data_ptr(),

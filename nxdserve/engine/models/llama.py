@@ -231,11 +231,13 @@ class LlamaFamilyModel(nn.Module):
         meta: AttentionMetadata,
         kv_cache: SlotKVCache,
         keep: torch.Tensor | None = None,
+        on_compute: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """token_ids (T,) -> final-norm hidden states (T, hidden). T counts ``meta.alts`` after the rows.
 
         ``keep`` (increasing token indices; not with alternatives): only those tokens' states are returned,
-        (len(keep), hidden), and the fused forward computes no more of the last layer than they need."""
+        (len(keep), hidden), and the fused forward computes no more of the last layer than they need.
+        ``on_compute``: called when the inputs are set up and the layers' compute begins."""
         alts = meta.alts
         if keep is not None and alts is not None:
             raise ValueError("keep cannot be combined with draft alternatives")
@@ -245,10 +247,12 @@ class LlamaFamilyModel(nn.Module):
                 s.num_layers, alts.count, 2, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device
             )
         if self.fused_decode.accepts(token_ids, meta, kv_cache):
-            return self.fused_decode.forward(token_ids, meta, kv_cache, keep)
+            return self.fused_decode.forward(token_ids, meta, kv_cache, keep, on_compute)
         x = F.embedding(token_ids, self.embed_weight)
         positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
         cos, sin = self.rope.gather(positions)
+        if on_compute is not None:
+            on_compute()
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             x = layer(x, cos, sin, k_cache, v_cache, meta)

@@ -6,6 +6,7 @@ one for its draft model (same slots, its own cache), so the two never share atte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -74,13 +75,15 @@ class SlotModelRunner:
         batched_query_limit: int | None = None,
         alts: DraftAlternatives | None = None,
         keep: torch.Tensor | None = None,
+        on_compute: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run rows r = ``row_lens[r]`` tokens of slot ``row_slots[r]`` from position ``row_starts[r]``.
 
         ``token_ids`` (T,) is the rows' tokens concatenated in row order, then ``alts``' tokens if given.
         The rows' K/V are written into the slots' cache lines (the alternatives' go to ``alts.kv``);
         returns final-norm hidden states (T, hidden) in the model dtype; with ``keep`` (increasing token
-        indices, no alternatives) those tokens' only, (len(keep), hidden).
+        indices, no alternatives) those tokens' only, (len(keep), hidden). ``on_compute`` is called once the
+        inputs are set up, as the model's compute (which releases the GIL) begins.
         """
         meta = self.metadata(row_slots, row_starts, row_lens, batched_query_limit)
         if alts is not None:
@@ -90,7 +93,7 @@ class SlotModelRunner:
         expected = meta.num_tokens + (0 if alts is None else alts.count)
         if token_ids.shape[0] != expected:
             raise ValueError(f"{token_ids.shape[0]} token ids for rows and alternatives totalling {expected} tokens")
-        return self.model(token_ids.to(self.device), meta, self.kv_cache, keep)
+        return self.model(token_ids.to(self.device), meta, self.kv_cache, keep, on_compute)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (..., vocab) for hidden states (..., hidden)."""

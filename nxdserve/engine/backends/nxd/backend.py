@@ -65,6 +65,7 @@ def cpu_sampling_features(params: SamplingParams) -> list[str]:
 
 class NxdBackend(Backend):
     name = "nxd"
+    reports_forward_start = True
 
     def __init__(self, model_path: Path, config: EngineConfig, loaded: LoadedApp | None = None) -> None:
         if config.max_model_len is None:
@@ -232,6 +233,8 @@ class NxdBackend(Backend):
     # -- shared ------------------------------------------------------------------------------------
     def _forward(self, call: NxdCall, step: _StepOutputs) -> Any:
         t0 = time.perf_counter()
+        if self.forward_started is not None:
+            self.forward_started()
         with torch.inference_mode():
             output = self.app(**call.kwargs())
         step.timings["forward"] += time.perf_counter() - t0
