@@ -50,8 +50,8 @@ def available() -> bool:
 class FusedDecode:
     """The fused forward bound to a stack of decoder layers: their weight pointers, built once per KV cache.
 
-    A model's stack has its final norm and embeddings (``forward`` takes token ids); an EAGLE head's one
-    layer has neither (``run`` takes the fc output and returns the layer's output)."""
+    ``run`` takes the stack's input states: a model's embeddings (its stack has a final norm), or an EAGLE
+    head's fc output (its one layer has none, and the layer's output is returned as it is)."""
 
     def __init__(
         self,
@@ -59,13 +59,11 @@ class FusedDecode:
         layers: Sequence[DecoderLayer],
         rope: RotaryTables,
         final_norm: RMSNorm | None = None,
-        embed_weight: torch.Tensor | None = None,
     ) -> None:
         self.spec = spec
         self.layers = layers
         self.rope = rope
         self.final_norm = final_norm
-        self.embed_weight = embed_weight
         # One eps for every norm of the stack (Llama-family configs have one rms_norm_eps).
         self.eps = final_norm.eps if final_norm is not None else layers[0].post_norm.eps
         self.supported_model = (
@@ -132,19 +130,6 @@ class FusedDecode:
         if buf is None or buf.numel() < numel:
             buf = self._buffers[index] = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype=dtype)
         return buf
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: SlotKVCache,
-        keep: torch.Tensor | None = None,
-        on_compute: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
-        """token_ids (T,) -> final-norm hidden states (T, hidden), like ``LlamaFamilyModel.forward`` (and
-        (len(keep), hidden) for the kept tokens only)."""
-        assert self.embed_weight is not None
-        return self.run(F.embedding(token_ids, self.embed_weight).contiguous(), meta, kv_cache, keep, on_compute)
 
     def run(
         self,

@@ -197,9 +197,7 @@ class LlamaFamilyModel(nn.Module):
         self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
         self.windows = frozenset(spec.sliding_windows)
         self.greedy_head = GreedyHead(self.lm_head_weight)
-        self.fused_decode = FusedDecode(
-            spec, self.layers, self.rope, final_norm=self.norm, embed_weight=self.embed_weight
-        )
+        self.fused_decode = FusedDecode(spec, self.layers, self.rope, final_norm=self.norm)
 
     @classmethod
     def from_pretrained(
@@ -247,7 +245,8 @@ class LlamaFamilyModel(nn.Module):
                 s.num_layers, alts.count, 2, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device
             )
         if self.fused_decode.accepts(token_ids, meta, kv_cache):
-            return self.fused_decode.forward(token_ids, meta, kv_cache, keep, on_compute)
+            x = F.embedding(token_ids, self.embed_weight).contiguous()
+            return self.fused_decode.run(x, meta, kv_cache, keep, on_compute)
         x = F.embedding(token_ids, self.embed_weight)
         positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
         cos, sin = self.rope.gather(positions)
