@@ -176,7 +176,7 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
         for (int64_t j = 0; j < n; j += 16) {                                                          \
             const __mmask16 m = df_mask16(n - j);                                                      \
             __m512 e = df_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx));                    \
-            e = _mm512_castsi512_ps(_mm512_slli_epi32(df_bf16_bits(e), 16));                           \
+            e = gm_widen(gm_round(e)); /* gemm_source's f2bf and its way back */                       \
             _mm512_mask_storeu_ps(sg + j, m, e);                                                       \
             sv = _mm512_mask_add_ps(sv, m, sv, e);                                                     \
         }                                                                                              \
@@ -255,20 +255,6 @@ static inline __m512 df_exp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* f2bf on 16 lanes: round to nearest even, NaN kept NaN; the bf16 bits in each lane's low half. */
-static inline __m512i df_bf16_bits(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
-static inline __m512 df_bf16_load16(const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 DF_ITEM64(1) DF_ITEM64(2) DF_ITEM64(3) DF_ITEM64(4)
 
 /* out[c] = bf16(silu(g) * u) for n columns of gate g and up u, where silu(g) is the eager layer's bf16 silu,
@@ -279,13 +265,13 @@ DF_ITEM64(1) DF_ITEM64(2) DF_ITEM64(3) DF_ITEM64(4)
    0.40-0.45 for the lookup; 3.3-3.5 against 2.2-2.8 ms at 170 tokens.) */
 static void df_silu_mul(const uint16_t* tab, const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) {
-        const __mmask16 m = n - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - c)) - 1);
+        const __mmask16 m = df_mask16(n - c);
         const __m512i gi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + c));
         const __m512i sv = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, gi, (const int*)tab, 2);
         const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(sv, 16)); /* the entry's 16 bits, widened */
-        const __m512 p = _mm512_mul_round_ps(sf, df_bf16_load16(u + c, m),
+        const __m512 p = _mm512_mul_round_ps(sf, gm_widen(_mm256_maskz_loadu_epi16(m, u + c)),
                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm256_mask_storeu_epi16(out + c, m, _mm512_cvtepi32_epi16(df_bf16_bits(p)));
+        _mm256_mask_storeu_epi16(out + c, m, gm_round(p));
     }
 }
 
@@ -504,6 +490,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             uint16_t *kc = (uint16_t*)p[10], *vc = (uint16_t*)p[11];
             for (int j = 0; j < 4; j++) lr[j] = runs && steal[j] ? runs + (l * 4 + j) * nt : NULL;
             const int last = prune && l == L - 1;
+            const int blocks = D == 64 && G <= 4 && windows[l] <= 0; /* df_block64's shapes */
             /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */
             if (in_norm) df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
             else if (thi > tlo) memcpy(h + tlo * H, x + tlo * H, sizeof(uint16_t) * (thi - tlo) * H);
@@ -542,7 +529,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                     const uint16_t* kb = kc + slots[t] * c_ss + kv * c_sh;
                     const uint16_t* vb = vc + slots[t] * c_ss + kv * c_sh;
                     uint16_t* o = attn + k * NH * D + kv * G * D;
-                    if (tok_n[t] > 1 && D == 64 && G <= 4 && windows[l] <= 0) {
+                    if (tok_n[t] > 1 && blocks) {
                         const uint16_t* qp[DF_BLOCK_ROWS];
                         uint16_t* op[DF_BLOCK_ROWS];
                         for (int64_t g = 0; g < G; g++) {
@@ -571,7 +558,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 int64_t b = it / NKV, kv = it % NKV, t0 = blk_t[b], nb = blk_n[b] < 0 ? -blk_n[b] : blk_n[b];
                 const uint16_t* kb = kc + slots[t0] * c_ss + kv * c_sh;
                 const uint16_t* vb = vc + slots[t0] * c_ss + kv * c_sh;
-                if (blk_n[b] > 1 && D == 64 && G <= 4 && windows[l] <= 0) {
+                if (blk_n[b] > 1 && blocks) {
                     const uint16_t* qp[DF_BLOCK_ROWS];
                     uint16_t* op[DF_BLOCK_ROWS];
                     for (int64_t r = 0; r < nb * G; r++) {
