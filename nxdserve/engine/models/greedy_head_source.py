@@ -46,8 +46,9 @@ typedef struct { float *sx, *a, *x2, *dx, *c; } gh_rows;
 /* acc[r][v] = OP(acc[r][v], 4 bytes of x's row r at step k broadcast, the panel's vector v at step k) for
    k < steps: the register tile's loop, for int8 quads (vpdpbusd) and bf16 pairs (vdpbf16ps) alike. A panel
    step is 48 columns x 4 bytes; x rows are x_s elements apart. */
-#define GH_STEPS(MR, VT, acc, steps, w, x, x_s, OP)                                                    \
+#define GH_STEPS(MR, VT, acc, steps, w, x, x_s, OP, PF)                                                \
     for (int64_t k = 0; k < (steps); k++, w += 192 / sizeof(*(w))) {                                   \
+        PF;                                                                                            \
         const VT w0 = (VT)_mm512_load_si512(w), w1 = (VT)_mm512_load_si512((const char*)(w) + 64);     \
         const VT w2 = (VT)_mm512_load_si512((const char*)(w) + 128);                                   \
         for (int r = 0; r < MR; r++) {                                                                 \
@@ -63,11 +64,14 @@ typedef struct { float *sx, *a, *x2, *dx, *c; } gh_rows;
    function GCC kept them in memory). f (MR x 48 fp32, 64-byte aligned) carries the sums between them. */
 #define GH_KERNEL(MR)                                                                                  \
 static __attribute__((noinline)) void gh_int8_##MR(const uint8_t* xq, int64_t xq_s, int64_t K4,          \
-        const int8_t* wq, const int32_t* col_sum, const float* col_sw, const float* row_sx, float* f) {  \
+        const int8_t* wq, const char* pf, int64_t pf_lines, const int32_t* col_sum, const float* col_sw, \
+        const float* row_sx, float* f) {                                                               \
     __v16si acc[MR][3]; /* the builtin's own type: with __m512i GCC 12 keeps the array in memory */  \
     for (int r = 0; r < MR; r++)                                                                       \
         for (int v = 0; v < 3; v++) acc[r][v] = (__v16si)_mm512_setzero_si512();                       \
-    GH_STEPS(MR, __v16si, acc, K4, wq, xq, xq_s, __builtin_ia32_vpdpbusd_v16si)                        \
+    int64_t pf_due = 0; /* pf_lines of the next panel spread over the K4 steps, as gm_tile does */      \
+    GH_STEPS(MR, __v16si, acc, K4, wq, xq, xq_s, __builtin_ia32_vpdpbusd_v16si,                        \
+             for (pf_due += pf_lines; pf_due >= K4; pf_due -= K4, pf += 64) _mm_prefetch(pf, _MM_HINT_T1)) \
     for (int v = 0; v < 3; v++) {                                                                      \
         /* q was stored as q + 128: take 128 x the column's sum of c back out. */                     \
         __m512i off = _mm512_slli_epi32(_mm512_load_si512(col_sum + 16 * v), 7);                       \
@@ -83,17 +87,17 @@ static __attribute__((noinline)) void gh_bf16_##MR(const uint16_t* xs, int64_t x
     __m512 acc[MR][3];                                                                                 \
     for (int r = 0; r < MR; r++)                                                                       \
         for (int v = 0; v < 3; v++) acc[r][v] = _mm512_load_ps(f + r * 48 + 16 * v);                  \
-    GH_STEPS(MR, __m512bh, acc, S2, ws, xs, xs_s, _mm512_dpbf16_ps)                                    \
+    GH_STEPS(MR, __m512bh, acc, S2, ws, xs, xs_s, _mm512_dpbf16_ps, (void)0)                           \
     for (int r = 0; r < MR; r++)                                                                       \
         for (int v = 0; v < 3; v++) _mm512_store_ps(f + r * 48 + 16 * v, acc[r][v]);                   \
 }                                                                                                      \
 /* Rows [m0, m0 + MR) of the quantized x (u8, row stride xq_s) against int8 panel p (K4 quads) and bf16 \
    panel of the S channels (S2 pairs): approximations, bounds, candidates appended to lists[r]. */     \
 static void gh_tile_##MR(const uint8_t* xq, int64_t xq_s, const uint16_t* xs, int64_t xs_s, int64_t K4,  \
-                         int64_t S2, const int8_t* wq, const uint16_t* ws, const gh_cols* cols,         \
-                         const gh_rows* rows, int64_t c0, int64_t N, gh_list* lists) {                  \
+                         int64_t S2, const int8_t* wq, const char* pf, int64_t pf_lines, const uint16_t* ws, \
+                         const gh_cols* cols, const gh_rows* rows, int64_t c0, int64_t N, gh_list* lists) { \
     float f[MR * 48] __attribute__((aligned(64)));                                                     \
-    gh_int8_##MR(xq, xq_s, K4, wq, cols->csum + c0, cols->sw + c0, rows->sx, f);                       \
+    gh_int8_##MR(xq, xq_s, K4, wq, pf, pf_lines, cols->csum + c0, cols->sw + c0, rows->sx, f);         \
     if (S2) gh_bf16_##MR(xs, xs_s, S2, ws, f);                                                         \
     for (int r = 0; r < MR; r++) {                                                                     \
         gh_list* ls = lists + r;                                                                       \
@@ -197,16 +201,24 @@ int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, 
         }
         /* 2. This thread's run of panels: int8 tiles, bounds, candidates. */
         int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
+        const int64_t lines = K4 * 3, tiles = (M + GH_MR - 1) / GH_MR; /* a panel step is 3 cache lines */
         for (int64_t p = p0; p < p1; p++) {
             const int8_t* wp = wq + p * panel_q;
             const uint16_t* sp = ws + p * panel_s;
-            for (int64_t m0 = 0; m0 < M; m0 += GH_MR) {
+            /* The next panel is pulled into L2 while this one is read, tile t its t-th part (as gm_panel). */
+            const int next = p + 1 < p1;
+            if (next)
+                for (int64_t b = 0; b < panel_s * 2; b += 64)
+                    _mm_prefetch((const char*)(sp + panel_s) + b, _MM_HINT_T1);
+            for (int64_t m0 = 0, t = 0; m0 < M; m0 += GH_MR, t++) {
+                const int64_t l0 = lines * t / tiles, pf_lines = next ? lines * (t + 1) / tiles - l0 : 0;
+                const char* pf = (const char*)(wp + panel_q) + 64 * l0;
                 const uint8_t* q = xq + m0 * KQ;
                 const uint16_t* s = xsb + m0 * KS;
                 gh_list* ls = lists + tid * M + m0;
                 const gh_rows rw = {rows.sx + m0, rows.a + m0, rows.x2 + m0, rows.dx + m0, rows.c + m0};
                 switch (M - m0 < GH_MR ? M - m0 : GH_MR) {
-#define GH_CALL(R) gh_tile_##R(q, KQ, s, KS, K4, S2, wp, sp, &cols, &rw, p * GM_NR, N, ls); break;
+#define GH_CALL(R) gh_tile_##R(q, KQ, s, KS, K4, S2, wp, pf, pf_lines, sp, &cols, &rw, p * GM_NR, N, ls); break;
                     case 1: GH_CALL(1) case 2: GH_CALL(2) case 3: GH_CALL(3) case 4: GH_CALL(4)
                     case 5: GH_CALL(5) case 6: GH_CALL(6) case 7: GH_CALL(7) default: GH_CALL(8)
 #undef GH_CALL
@@ -231,7 +243,9 @@ int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, 
                     if (ls->hi[i] < tau) continue;
                     const int64_t n = ls->idx[i], p = n / GM_NR;
                     if (p != done_panel) {
-                        gm_tile_1(x + m * xs, xs, K, wfull + p * panel_w, NULL, 0, NULL, NULL, 0, logits, 0, 0, GM_NR);
+                        const char* pf = NULL;
+                        gm_tile_1(x + m * xs, xs, K, wfull + p * panel_w, pf, pf ? GM_STEP_LINES * ((K + 1) / 2) : 0,
+                                  NULL, NULL, 0, logits, 0, 0, GM_NR);
                         done_panel = p;
                         rechecked += GM_NR;
                     }
