@@ -400,6 +400,18 @@ static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16
     gm_panels(x, T, K, K, w, p0, p1, b, res, N, N, out, N);
 }
 
+/* Pulls into L2 the first panel of this thread's static run of a packed weight (K inputs, N outputs): the panel
+   a GEMM starts on cold, since only later panels are prefetched by the ones before them (gm_panel). Issued
+   before the short phase (a norm, the activation) or the wait that precedes the GEMM. */
+static inline void df_prefetch_first_panel(const uint16_t* w, int64_t K, int64_t N, int tid, int nth) {
+    int64_t p0, p1;
+    gm_share((N + GM_NR - 1) / GM_NR, tid, nth, &p0, &p1);
+    if (p0 >= p1) return;
+    const int64_t bytes = ((K + 1) / 2) * 2 * GM_NR * 2;
+    const char* c = (const char*)(w + p0 * (bytes / 2));
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
 /* Per layer, 10 pointers: input norm, qkv weight, qkv bias, o weight, o bias, post norm, gate_up weight,
    gate_up bias, down weight, down bias (weights packed, biases may be NULL); then the layer's K and V cache
    bases (slots, kv heads, max_len, D) as two more pointers; windows[l] > 0 for a sliding window.
@@ -492,6 +504,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             const int last = prune && l == L - 1;
             const int blocks = D == 64 && G <= 4 && windows[l] <= 0; /* df_block64's shapes */
             /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */
+            df_prefetch_first_panel(qkv_w, H, QKV, tid, nth);
             if (in_norm) df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
             else if (thi > tlo) memcpy(h + tlo * H, x + tlo * H, sizeof(uint16_t) * (thi - tlo) * H);
             _Pragma("omp barrier")
@@ -573,6 +586,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                     df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, pos[t], windows[l], G, D, scale, sc,
                                   attn + t * NH * D + kv * G * D, t + 1 == t0 + nb ? nk : NULL, nk_lines);
             }
+            df_prefetch_first_panel(o_w, NH * D, H, tid, nth);
             _Pragma("omp barrier")
             /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back. */
             if (ngrp) {
@@ -608,11 +622,13 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             }
             /* 4. Output projection plus the residual, in place on x (this thread's columns). */
             df_gemm(attn, TL, NH * D, o_w, o_b, x, H, x, lr[1], nt, tid, nth);
+            df_prefetch_first_panel(gu_w, H, 2 * I, tid, nth);
             _Pragma("omp barrier")
             /* 5. Post-attention norm; gate and up; silu(gate) * up. */
             df_rmsnorm(x, post_norm, eps, h, llo, lhi, H);
             _Pragma("omp barrier")
             df_gemm(h, TL, H, gu_w, gu_b, NULL, 2 * I, gu, lr[2], nt, tid, nth);
+            df_prefetch_first_panel(dn_w, I, H, tid, nth);
             _Pragma("omp barrier")
             for (int64_t t = llo; t < lhi; t++)
                 df_silu_mul(silu_tab, gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
