@@ -62,8 +62,13 @@ class TextChunkFrames:
         )
 
 
+# json.dumps with options builds a new encoder on every call (~0.8 us for a token's text, 1.6 us for None);
+# a streamed token's frame dumps three values.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def _dumps(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return "null" if value is None else _ENCODER.encode(value)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
