@@ -243,9 +243,7 @@ int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, 
                     if (ls->hi[i] < tau) continue;
                     const int64_t n = ls->idx[i], p = n / GM_NR;
                     if (p != done_panel) {
-                        const char* pf = NULL;
-                        gm_tile_1(x + m * xs, xs, K, wfull + p * panel_w, pf, pf ? GM_STEP_LINES * ((K + 1) / 2) : 0,
-                                  NULL, NULL, 0, logits, 0, 0, GM_NR);
+                        gm_tile_1(x + m * xs, xs, K, wfull + p * panel_w, NULL, 0, NULL, NULL, 0, logits, 0, 0, GM_NR);
                         done_panel = p;
                         rechecked += GM_NR;
                     }
