@@ -4,9 +4,17 @@ Each server is started as a subprocess on a free loopback port, waited for on /h
 ``nxdserve.bench`` library and stopped, one server after another so they never share the CPU. The table
 gives each metric per server and its ratio to vLLM (or to the first peer found). See benchmarks/README.md.
 
+With ``--rounds N`` every server starts first and stays up (idle, it takes ~1% of a core: vLLM measured)
+while the workloads run N times, one server at a time, each workload on every server back to back and the
+servers' order reversed every other round. A shared VM's speed drifts by 10% within minutes; runs of the same
+workload minutes apart then differ by as much as the servers do, while adjacent runs see the same machine.
+The table gives each metric's median over the rounds, and each ratio as the median of the rounds' ratios
+with their range.
+
     python benchmarks/compare.py                              # every available server, all workloads
     python benchmarks/compare.py --vllm-python ~/vllm-venv/bin/python --workloads a,d
     python benchmarks/compare.py --servers nxdserve,nxdserve-prefill-first --workloads d --scale 0.5
+    python benchmarks/compare.py --vllm-python ~/vllm-venv/bin/python --workloads a --rounds 5
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -112,6 +121,7 @@ class Workload:
 THROUGHPUT = MetricSpec("output_throughput", "output tok/s", True)
 REQ_THROUGHPUT = MetricSpec("request_throughput", "requests/s", True)
 TOTAL_THROUGHPUT = MetricSpec("total_token_throughput", "total tok/s", True)
+MEAN_TTFT = MetricSpec("mean_ttft_ms", "mean TTFT ms", False)
 MEDIAN_TTFT = MetricSpec("median_ttft_ms", "median TTFT ms", False)
 P99_TTFT = MetricSpec("p99_ttft_ms", "p99 TTFT ms", False)
 MEDIAN_TPOT = MetricSpec("median_tpot_ms", "median TPOT ms", False)
@@ -182,7 +192,7 @@ async def run_mixed(
 WORKLOADS: dict[str, Workload] = {
     "a": Workload(
         "a",
-        [THROUGHPUT, REQ_THROUGHPUT, MEDIAN_TTFT, MEDIAN_TPOT, P99_ITL],
+        [THROUGHPUT, REQ_THROUGHPUT, MEAN_TTFT, MEDIAN_TTFT, MEDIAN_TPOT, P99_ITL],
         (Shape(70, 64, num_prompts=64, concurrency=32),),
         (Shape(70, 16, num_prompts=8, concurrency=8),),
     ),
@@ -341,12 +351,88 @@ def build_servers(args: argparse.Namespace, model_dir: str, gguf: str | None) ->
     return specs, notes
 
 
+def run_interleaved(
+    specs: Sequence[ServerSpec],
+    results: dict[str, dict[str, dict[str, Any]]],
+    tokenizer: BenchTokenizer,
+    args: argparse.Namespace,
+    log_dir: Path,
+) -> None:
+    """``--rounds``: every server up at once, each workload run on each server back to back, round after round
+    (the servers' order reversed every other round); results[workload][server] aggregates the rounds."""
+    per_round: dict[str, dict[str, list[dict[str, Any]]]] = {key: {} for key in results}
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        for spec in specs:
+            try:
+                urls[spec.name] = stack.enter_context(running_server(spec, log_dir, args.startup_timeout))
+            except BenchError as exc:
+                print(f"[{spec.name}] failed to start: {exc}", flush=True)
+                for key in spec.workloads:
+                    results[key][spec.name] = {"error": f"server failed to start: {exc}"}
+        for r in range(args.rounds):
+            order = list(specs) if r % 2 == 0 else list(specs)[::-1]
+            for key in results:
+                for spec in order:
+                    if spec.name not in urls or key not in spec.workloads:
+                        continue
+                    t0 = time.monotonic()
+                    try:
+                        outcome = WORKLOADS[key].run(urls[spec.name], tokenizer, args)
+                    except (BenchError, OSError, ValueError) as exc:
+                        outcome = {"error": str(exc)}
+                    per_round[key].setdefault(spec.name, []).append(outcome)
+                    print(f"[{spec.name}] round {r + 1}/{args.rounds} workload {key} done in "
+                          f"{time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
+    for key, per_server in per_round.items():
+        for name, rounds in per_server.items():
+            results[key][name] = aggregate_rounds(rounds)
+
+
 # -- results -------------------------------------------------------------------------------------------
 
 
 def reference_server(results: dict[str, dict[str, dict[str, Any]]]) -> str | None:
     ran = {server for per_wl in results.values() for server, r in per_wl.items() if "error" not in r}
     return next((s for s in REFERENCE_ORDER if s in ran), None)
+
+
+def aggregate_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One server's results for one workload over ``--rounds``: each numeric metric's median over the rounds
+    (every round kept under ``rounds``). A round that failed makes the whole result that failure."""
+    failed = next((r for r in rounds if "error" in r), None)
+    if failed is not None:
+        which = f"round {rounds.index(failed) + 1} of {len(rounds)}"
+        return {"error": f"{which}: {failed['error']}", "rounds": list(rounds)}
+    out: dict[str, Any] = {}
+    for key in rounds[0]:
+        values = [r.get(key) for r in rounds]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.median(values)
+        else:
+            out[key] = values[0]
+    out["rounds"] = list(rounds)
+    return out
+
+
+def round_ratios(result: dict[str, Any], ref: dict[str, Any], key: str) -> list[float]:
+    """The ratios of ``key`` round by round (result's round i over ref's round i): adjacent runs on one machine."""
+    mine, theirs = result.get("rounds"), ref.get("rounds")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return []
+    pairs = [(a.get(key), b.get(key)) for a, b in zip(mine, theirs, strict=True)]
+    return [a / b for a, b in pairs if isinstance(a, int | float) and isinstance(b, int | float) and b]
+
+
+def _ratio_cell(result: dict[str, Any], ref: dict[str, Any], key: str) -> str:
+    ratios = round_ratios(result, ref, key)
+    if ratios:
+        text = f"{statistics.median(ratios):.2f}x"
+        return text if len(ratios) == 1 else f"{text} ({min(ratios):.2f}-{max(ratios):.2f})"
+    v, ref_value = result.get(key), ref.get(key)
+    if isinstance(v, float | int) and isinstance(ref_value, float | int) and ref_value:
+        return f"{v / ref_value:.2f}x"
+    return "-"
 
 
 def _fmt(value: Any) -> str:
@@ -370,13 +456,8 @@ def format_table(
         for m in wl.metrics:
             values = [per_server.get(s, {}).get(m.key) for s in servers]
             row = ["  " + m.label, "higher" if m.higher_is_better else "lower", *[_fmt(v) for v in values]]
-            ref_value = per_server.get(ref, {}).get(m.key) if ref else None
-            for s in others:
-                v = per_server.get(s, {}).get(m.key)
-                if isinstance(v, float | int) and isinstance(ref_value, float | int) and ref_value:
-                    row.append(f"{v / ref_value:.2f}x")
-                else:
-                    row.append("-")
+            ref_result = per_server.get(ref, {}) if ref else {}
+            row += [_ratio_cell(per_server.get(s, {}), ref_result, m.key) for s in others]
             rows.append(row)
         for s in servers:
             if "error" in per_server.get(s, {}):
@@ -413,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llamacpp-bin", default="llama-server")
     p.add_argument("--llamacpp-model", default=None, help="GGUF file (default: nxdserve's embedded GGUF)")
     p.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the workloads N times with every server up, interleaved (see above); medians")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--result-file", default=None, help="default: bench-results/compare-<timestamp>.json")
     return p
@@ -450,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = result_file.parent / f"compare-{stamp}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in args.workloads.split(",") if w}
-    for spec in specs:
+    if args.rounds > 1:
+        run_interleaved(specs, results, tokenizer, args, log_dir)
+    for spec in specs if args.rounds <= 1 else ():
         try:
             with running_server(spec, log_dir, args.startup_timeout) as url:
                 for key in spec.workloads:
@@ -475,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": notes,
         "reference": reference_server(results),
         "smoke": args.smoke,
+        "rounds": args.rounds,
         "workloads": {k: {"title": WORKLOADS[k].title(args), "results": v} for k, v in results.items()},
         "server_logs": str(log_dir),
     }

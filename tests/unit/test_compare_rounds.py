@@ -1,0 +1,80 @@
+"""benchmarks/compare.py --rounds: medians over interleaved rounds, ratios taken round by round."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+def _load_compare() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
+    spec = importlib.util.spec_from_file_location("compare_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+compare = _load_compare()
+
+
+def test_aggregate_takes_each_metrics_median_and_keeps_the_rounds() -> None:
+    rounds = [
+        {"output_throughput": 600.0, "mean_ttft_ms": 500.0, "completed": 64, "note": "x"},
+        {"output_throughput": 680.0, "mean_ttft_ms": 450.0, "completed": 64, "note": "y"},
+        {"output_throughput": 650.0, "mean_ttft_ms": 470.0, "completed": 64, "note": "z"},
+    ]
+    agg = compare.aggregate_rounds(rounds)
+    assert agg["output_throughput"] == 650.0
+    assert agg["mean_ttft_ms"] == 470.0
+    assert agg["completed"] == 64
+    assert agg["note"] == "x"  # not a number: the first round's
+    assert agg["rounds"] == rounds
+
+
+def test_a_failed_round_fails_the_result() -> None:
+    agg = compare.aggregate_rounds([{"output_throughput": 1.0}, {"error": "boom"}])
+    assert agg["error"] == "round 2 of 2: boom"
+    assert "output_throughput" not in agg
+
+
+def test_ratios_pair_rounds_not_medians() -> None:
+    # Drift: the machine slows in round 2 for both servers; per-round ratios stay 1.5x while the
+    # ratio of medians of a 2-round result would mix the rounds.
+    ours = compare.aggregate_rounds([{"output_throughput": 660.0}, {"output_throughput": 600.0}])
+    peer = compare.aggregate_rounds([{"output_throughput": 440.0}, {"output_throughput": 400.0}])
+    assert compare.round_ratios(ours, peer, "output_throughput") == pytest.approx([1.5, 1.5])
+    lopsided = compare.aggregate_rounds([{"output_throughput": 660.0}, {"output_throughput": 500.0}])
+    assert compare.round_ratios(lopsided, peer, "output_throughput") == pytest.approx([1.5, 1.25])
+    assert compare.round_ratios(ours, {"output_throughput": 440.0}, "output_throughput") == []
+
+
+def test_table_shows_the_median_ratio_and_its_range() -> None:
+    ours = compare.aggregate_rounds(
+        [{"output_throughput": t, "mean_ttft_ms": 400.0, "p99_itl_ms": 100.0} for t in (660.0, 600.0, 700.0)]
+    )
+    peer = compare.aggregate_rounds(
+        [{"output_throughput": t, "mean_ttft_ms": 1000.0, "p99_itl_ms": 100.0} for t in (440.0, 400.0, 400.0)]
+    )
+    args = argparse.Namespace(scale=1.0, smoke=False)
+    table = compare.format_table({"a": {"nxdserve": ours, "vllm": peer}}, ["nxdserve", "vllm"], args)
+    row = next(line for line in table.splitlines() if "output tok/s" in line)
+    # per-round ratios 1.5, 1.5, 1.75: median 1.5, range 1.50-1.75; values are the medians 660 and 400
+    assert "1.50x (1.50-1.75)" in row
+    assert "660.0" in row and "400.0" in row
+    ttft = next(line for line in table.splitlines() if "mean TTFT" in line)
+    assert "0.40x (0.40-0.40)" in ttft
+
+
+def test_single_run_results_keep_plain_ratios() -> None:
+    args = argparse.Namespace(scale=1.0, smoke=False)
+    results = {"a": {"nxdserve": {"output_throughput": 600.0}, "vllm": {"output_throughput": 400.0}}}
+    table = compare.format_table(results, ["nxdserve", "vllm"], args)
+    row = next(line for line in table.splitlines() if "output tok/s" in line)
+    assert "1.50x" in row and "(" not in row
