@@ -4,7 +4,7 @@ Each server is started as a subprocess on a free loopback port, waited for on /h
 ``nxdserve.bench`` library and stopped, one server after another so they never share the CPU. The table
 gives each metric per server and its ratio to vLLM (or to the first peer found). See benchmarks/README.md.
 
-With ``--rounds N`` every server starts first and stays up (idle, it takes ~1% of a core: vLLM measured)
+With ``--rounds N`` every server starts first and stays up, paused (SIGSTOP) except while it is driven,
 while the workloads run N times, one server at a time, each workload on every server back to back and the
 servers' order reversed every other round. A shared VM's speed drifts by 10% within minutes; runs of the same
 workload minutes apart then differ by as much as the servers do, while adjacent runs see the same machine.
@@ -233,6 +233,7 @@ class ServerSpec:
     workloads: list[str]
     env: dict[str, str] = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)  # as launched, for the result file
+    pid: int | None = None  # while running: the leader of the server's process group
 
 
 def free_port() -> int:
@@ -255,13 +256,23 @@ def running_server(spec: ServerSpec, log_dir: Path, startup_timeout_s: float) ->
             argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **spec.env}, start_new_session=True
         )
     url = f"http://127.0.0.1:{port}"
+    spec.pid = proc.pid
     try:
         t0 = time.monotonic()
         wait_for_server(url, startup_timeout_s, alive=lambda: proc.poll() is None)
         print(f"[{spec.name}] healthy after {time.monotonic() - t0:.1f}s", flush=True)
         yield url
     finally:
+        spec.pid = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)  # paused by run_interleaved: a stopped process ignores SIGTERM
         _stop(proc)
+
+
+def _signal_group(spec: ServerSpec, sig: signal.Signals) -> None:
+    if spec.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(spec.pid, sig)
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
@@ -359,7 +370,10 @@ def run_interleaved(
     log_dir: Path,
 ) -> None:
     """``--rounds``: every server up at once, each workload run on each server back to back, round after round
-    (the servers' order reversed every other round); results[workload][server] aggregates the rounds."""
+    (the servers' order reversed every other round); results[workload][server] aggregates the rounds.
+
+    The servers not being driven are paused (SIGSTOP to their process groups): an idle vLLM is not quiet (its
+    13 gloo threads woke ~1,400 times a second), and every wake-up takes a core from the measured server."""
     per_round: dict[str, dict[str, list[dict[str, Any]]]] = {key: {} for key in results}
     with contextlib.ExitStack() as stack:
         urls: dict[str, str] = {}
@@ -370,6 +384,8 @@ def run_interleaved(
                 print(f"[{spec.name}] failed to start: {exc}", flush=True)
                 for key in spec.workloads:
                     results[key][spec.name] = {"error": f"server failed to start: {exc}"}
+        for spec in specs:
+            _signal_group(spec, signal.SIGSTOP)
         for r in range(args.rounds):
             order = list(specs) if r % 2 == 0 else list(specs)[::-1]
             for key in results:
@@ -377,10 +393,14 @@ def run_interleaved(
                     if spec.name not in urls or key not in spec.workloads:
                         continue
                     t0 = time.monotonic()
+                    _signal_group(spec, signal.SIGCONT)
                     try:
+                        wait_for_server(urls[spec.name], 60.0)
                         outcome = WORKLOADS[key].run(urls[spec.name], tokenizer, args)
                     except (BenchError, OSError, ValueError) as exc:
                         outcome = {"error": str(exc)}
+                    finally:
+                        _signal_group(spec, signal.SIGSTOP)
                     per_round[key].setdefault(spec.name, []).append(outcome)
                     print(f"[{spec.name}] round {r + 1}/{args.rounds} workload {key} done in "
                           f"{time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
