@@ -6,10 +6,10 @@ gives each metric per server and its ratio to vLLM (or to the first peer found).
 
 With ``--rounds N`` every server starts first and stays up, paused (SIGSTOP) except while it is driven,
 while the workloads run N times, one server at a time, each workload on every server back to back and the
-servers' order reversed every other round. A shared VM's speed drifts by 10% within minutes; runs of the same
-workload minutes apart then differ by as much as the servers do, while adjacent runs see the same machine.
-The table gives each metric's median over the rounds, and each ratio as the median of the rounds' ratios
-with their range.
+servers' order reversed every other round, on new prompts each round. A shared VM's speed drifts by 10%
+within minutes; runs of the same workload minutes apart then differ by as much as the servers do, while
+adjacent runs see the same machine. The table gives each metric's median over the rounds, and each ratio as
+the median of the rounds' ratios with their range.
 
     python benchmarks/compare.py                              # every available server, all workloads
     python benchmarks/compare.py --vllm-python ~/vllm-venv/bin/python --workloads a,d
@@ -388,6 +388,9 @@ def run_interleaved(
             _signal_group(spec, signal.SIGSTOP)
         for r in range(args.rounds):
             order = list(specs) if r % 2 == 0 else list(specs)[::-1]
+            # New prompts each round (the same for every server in it): a server with a prefix cache (vLLM's
+            # is on by default) would otherwise prefill a repeated prompt from its cache from round 2 on.
+            round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * r})
             for key in results:
                 for spec in order:
                     if spec.name not in urls or key not in spec.workloads:
@@ -396,7 +399,7 @@ def run_interleaved(
                     _signal_group(spec, signal.SIGCONT)
                     try:
                         wait_for_server(urls[spec.name], 60.0)
-                        outcome = WORKLOADS[key].run(urls[spec.name], tokenizer, args)
+                        outcome = WORKLOADS[key].run(urls[spec.name], tokenizer, round_args)
                     except (BenchError, OSError, ValueError) as exc:
                         outcome = {"error": str(exc)}
                     finally:

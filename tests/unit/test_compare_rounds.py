@@ -78,3 +78,32 @@ def test_single_run_results_keep_plain_ratios() -> None:
     table = compare.format_table(results, ["nxdserve", "vllm"], args)
     row = next(line for line in table.splitlines() if "output tok/s" in line)
     assert "1.50x" in row and "(" not in row
+
+
+def test_interleaved_rounds_alternate_servers_and_draw_new_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_server(spec, log_dir, startup_timeout_s):  # type: ignore[no-untyped-def]
+        yield f"http://{spec.name}"
+
+    calls: list[tuple[str, str, int]] = []
+
+    def fake_run(self, url, tok, args):  # type: ignore[no-untyped-def]
+        calls.append((self.key, url.removeprefix("http://"), args.seed))
+        return {"output_throughput": 600.0 if "nxd" in url else 400.0}
+
+    monkeypatch.setattr(compare, "running_server", fake_server)
+    monkeypatch.setattr(compare, "wait_for_server", lambda url, timeout_s: None)
+    monkeypatch.setattr(compare.Workload, "run", fake_run)
+    specs = [compare.ServerSpec("nxd", lambda port: [], ["a"]), compare.ServerSpec("peer", lambda port: [], ["a"])]
+    args = argparse.Namespace(rounds=3, seed=7, startup_timeout=1.0)
+    results: dict = {"a": {}}
+    compare.run_interleaved(specs, results, tokenizer=None, args=args, log_dir=Path("."))
+    assert [(server, seed) for _, server, seed in calls] == [
+        ("nxd", 7), ("peer", 7), ("peer", 1007), ("nxd", 1007), ("nxd", 2007), ("peer", 2007),
+    ]
+    assert args.seed == 7  # the caller's namespace is left alone
+    assert results["a"]["nxd"]["output_throughput"] == 600.0
+    assert len(results["a"]["peer"]["rounds"]) == 3
+    assert compare.round_ratios(results["a"]["nxd"], results["a"]["peer"], "output_throughput") == [1.5] * 3
