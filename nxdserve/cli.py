@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="chunked prefill mixed with decodes; --no-enable-chunked-prefill: prefill-first",
     )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a new prompt reuses the KV a free slot still holds for its first tokens (off by default, unlike vLLM)",
+    )
     s.add_argument("--long-prefill-token-threshold", type=int, default=0, help="max chunk per request (0: none)")
     s.add_argument("--max-num-partial-prefills", type=int, default=1, help="concurrent partial prefills")
     s.add_argument(
@@ -181,6 +187,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         whole_prompt_overflow=args.whole_prompt_overflow,

@@ -43,6 +43,8 @@ class EngineConfig:
     # None: chunked 512 (128 for the torch backend on CPU), prefill-first max_model_len
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # Reuse the KV a free slot still holds when a new prompt starts with the same tokens (see Scheduler).
+    enable_prefix_caching: bool = False
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a chunk
     max_num_partial_prefills: int = 1
     # Chunked mode: tokens a step may run past max_num_batched_tokens to run a waiting prompt whole rather

@@ -213,6 +213,8 @@ class EngineCore:
                 len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache_usage,
                 sched.num_prefill_tokens, num_generated, sched.plan.total_tokens,
             )
+            if sched.num_prefix_queried_tokens:
+                self.metrics.record_prefix_cache(sched.num_prefix_queried_tokens, sched.num_prefix_cached_tokens)
         tm.process += time.perf_counter() - t0
         return StepUpdates(updates, result)
 

@@ -64,6 +64,13 @@ class EngineMetrics:
         self.spec_num_alternative_hits = Counter(
             "nxdserve:spec_decode_num_alternative_hits", "Draft alternatives accepted", labels, registry=r
         )
+        # Prefix caching: prompt tokens of admitted requests, and how many of them were found in the slot.
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
+        )
         self._model = model_name
         self._last_token_time: dict[str, float] = {}
         for gauge in (self.num_running, self.num_waiting, self.kv_usage):
@@ -89,6 +96,11 @@ class EngineMetrics:
             self._generation_tokens.inc(num_generated)
         if num_scheduled:
             self._iteration_tokens.observe(num_scheduled)
+
+    def record_prefix_cache(self, num_queried: int, num_hits: int) -> None:
+        self.prefix_cache_queries.labels(self._model).inc(num_queried)
+        if num_hits:
+            self.prefix_cache_hits.labels(self._model).inc(num_hits)
 
     def record_spec(self, num_drafts: int, num_draft_tokens: int, accepted_per_pos: list[int]) -> None:
         m = self._model

@@ -36,6 +36,7 @@ class Request:
         "eos_token_ids",
         "first_scheduled_time",
         "max_tokens",
+        "num_cached_tokens",
         "num_computed_tokens",
         "output_token_ids",
         "params",
@@ -71,6 +72,7 @@ class Request:
         # Alternatives to spec_token_ids[0] (DraftAlternatives), verified in the same step or dropped.
         self.spec_alt_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV its slot already held at admission (prefix caching)
         self.slot: int | None = None
         self.stop_reason: int | str | None = None
 

@@ -17,6 +17,13 @@ differ in how a step may mix them:
   ``max_consecutive_prefill_steps`` in a row while decodes wait (anti-starvation).
 
 Slots are whole KV lines, reserved at admission, so nothing is ever preempted.
+
+Prefix caching (``enable_prefix_caching``, where prompts may start mid-slot): a freed slot remembers the
+tokens whose KV its line still holds, and a waiting prompt takes the free slot that shares the longest
+prefix with it and starts computing after that prefix (at least its last prompt token runs, for its
+logits). Nothing is copied: a repeated system prompt or the next turn of a conversation finds its KV where
+the previous request left it, while the slot is free. A prompt that matches nothing takes a slot that holds
+nothing, else the one freed longest ago.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ class SchedulerOutput:
     requests: list[Request]  # aligned with the plan's rows
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Prefix caching: prompt tokens of the requests admitted in this step, and those their slots held.
+    num_prefix_queried_tokens: int = 0
+    num_prefix_cached_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -87,6 +97,20 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._free_slots = list(range(self.max_num_seqs))  # a heap: lowest slot first keeps lines dense
+        # Speculative proposers keep KV of their own per slot (the EAGLE head's, a draft model's), which a
+        # reused prefix would not match; prompt logprobs need every prompt position computed.
+        self.prefix_caching = config.enable_prefix_caching and caps.chunked_prefill and not config.speculative_config
+        if config.enable_prefix_caching and not self.prefix_caching:
+            logger.warning(
+                "prefix caching requested but %s: every prompt is computed from its first token",
+                "speculative proposers keep KV of their own" if caps.chunked_prefill
+                else "the backend cannot start a prompt mid-slot",
+            )
+        self._resident: dict[int, list[int]] = {}  # free slot -> the tokens whose KV its line still holds
+        self._freed_at: dict[int, int] = {}  # free slot -> when it was freed (a counter), for the choice above
+        self._frees = 0
+        self._queried_since_plan = 0
+        self._cached_since_plan = 0
         self._freed_since_plan: list[int] = []
         self._taken_since_plan: list[int] = []
         self._consecutive_prefill_steps = 0
@@ -114,6 +138,8 @@ class Scheduler:
         if request.slot is not None:
             self.running.remove(request)
             self.batch.remove(request.slot)
+            if self.prefix_caching:
+                self._remember(request)
             heapq.heappush(self._free_slots, request.slot)
             self._freed_since_plan.append(request.slot)
             request.slot = None
@@ -121,8 +147,46 @@ class Scheduler:
         request.spec_alt_ids = []
         self.requests.pop(request.request_id, None)
 
-    def _admit(self, request: Request) -> None:
-        slot = heapq.heappop(self._free_slots)
+    def _remember(self, request: Request) -> None:
+        """What the freed slot's line holds: KV for every computed token (drafts rolled back, the last
+        sampled token never fed). A failed forward may have left it half written: nothing then."""
+        slot = request.slot
+        assert slot is not None
+        self._frees += 1
+        self._freed_at[slot] = self._frees
+        held = (request.prompt_token_ids + request.output_token_ids)[: request.num_computed_tokens]
+        if held and request.status != RequestStatus.FINISHED_ERROR:
+            self._resident[slot] = held
+        else:
+            self._resident.pop(slot, None)
+
+    def _pick_slot(self, request: Request) -> tuple[int, int]:
+        """(free slot, prompt tokens already in it) for a waiting request; the slot is not taken yet."""
+        if not self.prefix_caching:
+            return self._free_slots[0], 0
+        best, best_len = -1, 0
+        if request.params.prompt_logprobs is None:
+            for slot in self._free_slots:
+                held = self._resident.get(slot)
+                if held:
+                    n = _common_prefix_len(held, request.prompt_token_ids)
+                    if n > best_len:
+                        best, best_len = slot, n
+        if best < 0:  # keep what other slots hold: one that holds nothing, else the longest free
+            best = min(self._free_slots, key=lambda s: (s in self._resident, self._freed_at.get(s, 0), s))
+        return best, min(best_len, request.num_prompt_tokens - 1)
+
+    def _admit(self, request: Request, slot: int | None = None, cached: int = 0) -> None:
+        if slot is None or slot == self._free_slots[0]:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            self._free_slots.remove(slot)
+            heapq.heapify(self._free_slots)
+        self._resident.pop(slot, None)
+        request.num_computed_tokens = request.num_cached_tokens = cached
+        if self.prefix_caching:
+            self._queried_since_plan += request.num_prompt_tokens
+            self._cached_since_plan += cached
         request.slot = slot
         request.status = RequestStatus.RUNNING
         request.first_scheduled_time = time.monotonic()
@@ -183,19 +247,22 @@ class Scheduler:
         overflow = self.whole_prompt_overflow
         while self.waiting and budget + overflow > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
+            slot, cached = self._pick_slot(request)
+            request.num_computed_tokens = cached  # for the counts below; only _admit makes it so
             num_new = self._tokens_to_run(request, max(budget, 0))
             whole = self._tokens_to_run(request, self.token_budget)
             fits = whole <= budget + overflow
             if num_new < whole and fits and whole == request.num_tokens_with_spec - request.num_computed_tokens:
                 num_new = whole
-            stays_partial = num_new < request.num_prompt_tokens
+            request.num_computed_tokens = 0
+            stays_partial = cached + num_new < request.num_prompt_tokens
             if stays_partial and partial >= self.max_partial_prefills:
                 skipped.append(request)
                 continue
             if num_new == 0:
                 self.waiting.appendleft(request)
                 break
-            self._admit(request)
+            self._admit(request, slot, cached)
             rows.append((request, num_new))
             budget -= num_new
             partial += stays_partial
@@ -215,12 +282,14 @@ class Scheduler:
                 if self.max_prefills_per_step is not None and len(rows) >= self.max_prefills_per_step:
                     break
                 request = self.waiting[0]
-                if request.num_prompt_tokens > budget:
+                slot, cached = self._pick_slot(request)
+                need = request.num_prompt_tokens - cached
+                if need > budget:
                     break  # never split a prompt; strict head-of-line
                 self.waiting.popleft()
-                self._admit(request)
-                rows.append((request, request.num_prompt_tokens))
-                budget -= request.num_prompt_tokens
+                self._admit(request, slot, cached)
+                rows.append((request, need))
+                budget -= need
             if rows:
                 self._consecutive_prefill_steps = self._consecutive_prefill_steps + 1 if decodes_waiting else 0
                 return
@@ -277,7 +346,10 @@ class Scheduler:
             for i, ids in alternatives:
                 table[i, : len(ids)] = ids
             plan.draft_alternatives = table
-        return SchedulerOutput(plan, requests, prefill_tokens, total - prefill_tokens)
+        out = SchedulerOutput(plan, requests, prefill_tokens, total - prefill_tokens,
+                              self._queried_since_plan, self._cached_since_plan)  # fmt: skip
+        self._queried_since_plan = self._cached_since_plan = 0
+        return out
 
     # -- results -----------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
@@ -319,3 +391,15 @@ class Scheduler:
             if finished:
                 self._free(request)
         return updates
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by bisection on slice equality (compared in C, not per token)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -28,6 +28,7 @@ def test_flags_map_to_engine_config() -> None:
     args = parse(
         "--model", "/m", "--served-model-name", "a", "b", "--max-model-len", "1k", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "64",
+        "--enable-prefix-caching",
         "--max-num-partial-prefills", "2", "--max-consecutive-prefill-steps", "3", "--max-waiting", "10",
         "--backend", "torch", "--dtype", "bfloat16", "--device", "cpu", "--num-threads", "2", "--seed", "7",
         "--max-logprobs", "5", "--generation-config", "vllm", "--tensor-parallel-size", "2",
@@ -38,6 +39,7 @@ def test_flags_map_to_engine_config() -> None:
     assert cfg.model == "/m" and cfg.served_model_name == ["a", "b"]
     assert cfg.max_model_len == 1000 and cfg.max_num_seqs == 4 and cfg.max_num_batched_tokens == 256
     assert cfg.enable_chunked_prefill is False and cfg.scheduling_mode == "prefill-first"
+    assert cfg.enable_prefix_caching is True
     assert (cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills) == (64, 2)
     assert (cfg.max_consecutive_prefill_steps, cfg.max_waiting) == (3, 10)
     assert (cfg.backend, cfg.dtype, cfg.device, cfg.num_threads, cfg.seed) == ("torch", "bfloat16", "cpu", 2, 7)
@@ -50,6 +52,7 @@ def test_defaults_match_vllm_serve() -> None:
     args = parse()
     cfg = cli.engine_config_from_args(args)
     assert cfg.model is None and cfg.enable_chunked_prefill and cfg.max_logprobs == 20
+    assert cfg.enable_prefix_caching is False  # unlike vLLM: opt in (see README, Scheduling)
     opts = cli.serve_options_from_args(args)
     assert (opts.port, opts.api_key, opts.log_requests) == (8000, None, True)
 

@@ -28,12 +28,12 @@ class Step:
 class Harness:
     def __init__(self, *, chunked: bool, max_model_len: int = 64, max_num_seqs: int = 4,
                  budget: int | None = None, threshold: int = 0, partial: int = 1, consecutive: int = 1,
-                 overflow: int | None = None, **caps: object) -> None:
+                 overflow: int | None = None, prefix_caching: bool = False, **caps: object) -> None:
         self.config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold,
             max_num_partial_prefills=partial, max_consecutive_prefill_steps=consecutive,
-            whole_prompt_overflow=overflow,
+            whole_prompt_overflow=overflow, enable_prefix_caching=prefix_caching,
         ).resolve(None)
         self.backend = CountingBackend(max_num_seqs, max_model_len, eos=EOS, **caps)
         self.batch = PersistentBatch(max_num_seqs, max_model_len, max_spec_tokens=8)

@@ -2,8 +2,9 @@
 
 It implements the real backend contract (slots, spans, drafts, sampling rows) without a neural net,
 so scheduler behaviour can be checked step by step in milliseconds. It also checks the invariants
-a real slot-KV backend relies on: a span always starts where the slot's KV ends, and never runs past
-max_model_len - 1.
+a real slot-KV backend relies on: a span never runs past max_model_len - 1, and every position before
+it holds KV of the request's own tokens there (it keeps which token each position of a line was
+computed for: a line keeps its KV when its slot is freed, which is what prefix caching reuses).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class CountingBackend(Backend):
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_prompt_len=max_model_len - 1,
             vocab_size=vocab_size, eos_token_ids=(eos,), **caps,  # type: ignore[arg-type]
         )
-        self.kv_len = np.zeros(max_num_seqs, dtype=np.int64)  # positions with KV per slot
+        self.kv_tokens = np.full((max_num_seqs, max_model_len), -1, dtype=np.int64)  # token whose KV is there
         self.batch: PersistentBatch | None = None
         self.plans: list[StepPlan] = []
 
@@ -37,17 +38,16 @@ class CountingBackend(Backend):
     def execute(self, plan: StepPlan) -> StepResult:
         assert self.batch is not None
         self.plans.append(plan)
-        for slot in plan.new_slots:
-            self.kv_len[slot] = 0
         width = 1 + int(plan.num_drafts.max(initial=0))
         out = np.full((plan.num_rows, width), -1, dtype=np.int64)
         num = np.zeros(plan.num_rows, dtype=np.int64)
         vocab = self._caps.vocab_size
         for r in range(plan.num_rows):
             slot, start, n = int(plan.slots[r]), int(plan.start_pos[r]), int(plan.num_scheduled[r])
-            assert start <= self.kv_len[slot], f"slot {slot}: span starts at {start} past its KV {self.kv_len[slot]}"
             assert start + n <= self._caps.max_model_len - 1, "a span ran past max_model_len - 1"
-            self.kv_len[slot] = start + n
+            held, own = self.kv_tokens[slot, :start], self.batch.token_ids[slot, :start]
+            assert (held == own).all(), f"slot {slot}: a span at {start} over KV of other tokens ({held} vs {own})"
+            self.kv_tokens[slot, start : start + n] = self.batch.token_ids[slot, start : start + n]
             if not plan.sample[r]:
                 continue
             tokens = self.batch.token_ids[slot, start : start + n]
