@@ -49,11 +49,19 @@ def test_a_shared_prefix_and_the_next_turn_of_a_conversation() -> None:
     assert other.num_cached_tokens == 5
 
 
-def test_a_slot_forgets_what_another_prompt_overwrote() -> None:
-    h = Harness(chunked=True, budget=32, max_num_seqs=1, prefix_caching=True)
+def _a_then_unrelated_b(num_slots: int) -> tuple[Harness, Request]:
+    """A (tokens 1..12) runs to the end; then B, with nothing in common, is admitted and runs one step."""
+    h = Harness(chunked=True, budget=64, max_num_seqs=num_slots, prefix_caching=True)
     h.add("A", 12, max_tokens=2, first_token=1)
     _finish(h)
-    h.add("B", 12, max_tokens=2, first_token=100)  # nothing in common: takes the slot, overwrites it
+    b = h.add("B", 12, max_tokens=2, first_token=100)
+    h.step()
+    return h, b
+
+
+def test_a_slot_forgets_what_another_prompt_overwrote() -> None:
+    h, b = _a_then_unrelated_b(num_slots=1)
+    assert b.num_cached_tokens == 0  # B took A's slot, the only one, and overwrites it
     _finish(h)
     again = h.add("A2", 12, max_tokens=2, first_token=1)
     assert h.step().scheduled == {"A2": 12}
@@ -61,11 +69,7 @@ def test_a_slot_forgets_what_another_prompt_overwrote() -> None:
 
 
 def test_an_unmatched_prompt_keeps_other_slots_cache() -> None:
-    h = Harness(chunked=True, budget=64, max_num_seqs=2, prefix_caching=True)
-    h.add("A", 12, max_tokens=2, first_token=1)
-    _finish(h)
-    b = h.add("B", 12, max_tokens=2, first_token=100)
-    h.step()
+    h, b = _a_then_unrelated_b(num_slots=2)
     a_slot = 0  # A ran alone, in the lowest slot
     assert b.slot != a_slot  # B took the slot that held nothing
     _finish(h)
