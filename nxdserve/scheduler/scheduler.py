@@ -106,7 +106,7 @@ class Scheduler:
                 "speculative proposers keep KV of their own" if caps.chunked_prefill
                 else "the backend cannot start a prompt mid-slot",
             )
-        self._resident: dict[int, list[int]] = {}  # free slot -> the tokens whose KV its line still holds
+        self._resident: dict[int, np.ndarray] = {}  # free slot -> the tokens whose KV its line still holds
         self._freed_at: dict[int, int] = {}  # free slot -> when it was freed (a counter), for the choice above
         self._frees = 0
         self._queried_since_plan = 0
@@ -156,7 +156,7 @@ class Scheduler:
         self._freed_at[slot] = self._frees
         held = (request.prompt_token_ids + request.output_token_ids)[: request.num_computed_tokens]
         if held and request.status != RequestStatus.FINISHED_ERROR:
-            self._resident[slot] = held
+            self._resident[slot] = np.asarray(held, dtype=np.int64)
         else:
             self._resident.pop(slot, None)
 
@@ -165,11 +165,12 @@ class Scheduler:
         if not self.prefix_caching:
             return self._free_slots[0], 0
         best, best_len = -1, 0
-        if request.params.prompt_logprobs is None:
+        if request.params.prompt_logprobs is None and self._resident:
+            prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
             for slot in self._free_slots:
                 held = self._resident.get(slot)
-                if held:
-                    n = _common_prefix_len(held, request.prompt_token_ids)
+                if held is not None and held[0] == prompt[0]:
+                    n = _common_prefix_len(held, prompt)
                     if n > best_len:
                         best, best_len = slot, n
         if best < 0:  # keep what other slots hold: one that holds nothing, else the longest free
@@ -393,13 +394,8 @@ class Scheduler:
         return updates
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, by bisection on slice equality (compared in C, not per token)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays (one vectorised pass, not a loop per token)."""
+    m = min(len(a), len(b))
+    differ = a[:m] != b[:m]
+    return int(differ.argmax()) if differ.any() else m

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from nxdserve.config import EngineConfig
@@ -100,12 +101,15 @@ def test_no_reuse_when_off_for_prompt_logprobs_or_with_speculation() -> None:
 
 
 def test_common_prefix_len() -> None:
-    assert _common_prefix_len([1, 2, 3, 4], [1, 2, 9]) == 2
-    assert _common_prefix_len([1, 2, 3], [1, 2, 3, 4, 5]) == 3
-    assert _common_prefix_len([7], [1]) == 0
-    assert _common_prefix_len([], [1]) == 0
+    def lcp(a: list[int], b: list[int]) -> int:
+        return _common_prefix_len(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
+
+    assert lcp([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert lcp([1, 2, 3], [1, 2, 3, 4, 5]) == 3
+    assert lcp([7], [1]) == 0
+    assert lcp([], [1]) == 0
     long = list(range(1000))
-    assert _common_prefix_len(long, [*long[:637], -1]) == 637
+    assert lcp(long, [*long[:637], -1]) == 637
 
 
 def _greedy(max_tokens: int = 12) -> SamplingParams:
