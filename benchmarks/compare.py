@@ -362,6 +362,39 @@ def build_servers(args: argparse.Namespace, model_dir: str, gguf: str | None) ->
     return specs, notes
 
 
+def run_workload(key: str, url: str, tokenizer: BenchTokenizer, args: argparse.Namespace) -> dict[str, Any]:
+    """One workload's metrics, or {"error": ...} when the run failed."""
+    try:
+        return WORKLOADS[key].run(url, tokenizer, args)
+    except (BenchError, OSError, ValueError) as exc:
+        return {"error": str(exc)}
+
+
+def _failed_start(spec: ServerSpec, results: dict[str, dict[str, dict[str, Any]]], exc: BenchError) -> None:
+    print(f"[{spec.name}] failed to start: {exc}", flush=True)
+    for key in spec.workloads:
+        results[key][spec.name] = {"error": f"server failed to start: {exc}"}
+
+
+def run_sequential(
+    specs: Sequence[ServerSpec],
+    results: dict[str, dict[str, dict[str, Any]]],
+    tokenizer: BenchTokenizer,
+    args: argparse.Namespace,
+    log_dir: Path,
+) -> None:
+    """One server at a time: started, every workload run once, stopped."""
+    for spec in specs:
+        try:
+            with running_server(spec, log_dir, args.startup_timeout) as url:
+                for key in spec.workloads:
+                    t0 = time.monotonic()
+                    results[key][spec.name] = run_workload(key, url, tokenizer, args)
+                    print(f"[{spec.name}] workload {key} done in {time.monotonic() - t0:.1f}s", flush=True)
+        except BenchError as exc:  # the server never became healthy
+            _failed_start(spec, results, exc)
+
+
 def run_interleaved(
     specs: Sequence[ServerSpec],
     results: dict[str, dict[str, dict[str, Any]]],
@@ -381,9 +414,7 @@ def run_interleaved(
             try:
                 urls[spec.name] = stack.enter_context(running_server(spec, log_dir, args.startup_timeout))
             except BenchError as exc:
-                print(f"[{spec.name}] failed to start: {exc}", flush=True)
-                for key in spec.workloads:
-                    results[key][spec.name] = {"error": f"server failed to start: {exc}"}
+                _failed_start(spec, results, exc)
         for spec in specs:
             _signal_group(spec, signal.SIGSTOP)
         for r in range(args.rounds):
@@ -399,8 +430,8 @@ def run_interleaved(
                     _signal_group(spec, signal.SIGCONT)
                     try:
                         wait_for_server(urls[spec.name], 60.0)
-                        outcome = WORKLOADS[key].run(urls[spec.name], tokenizer, round_args)
-                    except (BenchError, OSError, ValueError) as exc:
+                        outcome = run_workload(key, urls[spec.name], tokenizer, round_args)
+                    except BenchError as exc:  # it did not answer /health after resuming
                         outcome = {"error": str(exc)}
                     finally:
                         _signal_group(spec, signal.SIGSTOP)
@@ -556,22 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = result_file.parent / f"compare-{stamp}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in args.workloads.split(",") if w}
-    if args.rounds > 1:
-        run_interleaved(specs, results, tokenizer, args, log_dir)
-    for spec in specs if args.rounds <= 1 else ():
-        try:
-            with running_server(spec, log_dir, args.startup_timeout) as url:
-                for key in spec.workloads:
-                    t0 = time.monotonic()
-                    try:
-                        results[key][spec.name] = WORKLOADS[key].run(url, tokenizer, args)
-                    except (BenchError, OSError, ValueError) as exc:
-                        results[key][spec.name] = {"error": str(exc)}
-                    print(f"[{spec.name}] workload {key} done in {time.monotonic() - t0:.1f}s", flush=True)
-        except BenchError as exc:  # the server never became healthy
-            print(f"[{spec.name}] failed to start: {exc}", flush=True)
-            for key in spec.workloads:
-                results[key][spec.name] = {"error": f"server failed to start: {exc}"}
+    run = run_interleaved if args.rounds > 1 else run_sequential
+    run(specs, results, tokenizer, args, log_dir)
 
     servers = [s.name for s in specs]
     print()

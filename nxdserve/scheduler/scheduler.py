@@ -177,8 +177,8 @@ class Scheduler:
             best = min(self._free_slots, key=lambda s: (s in self._resident, self._freed_at.get(s, 0), s))
         return best, min(best_len, request.num_prompt_tokens - 1)
 
-    def _admit(self, request: Request, slot: int | None = None, cached: int = 0) -> None:
-        if slot is None or slot == self._free_slots[0]:
+    def _admit(self, request: Request, slot: int, cached: int) -> None:
+        if slot == self._free_slots[0]:
             slot = heapq.heappop(self._free_slots)
         else:
             self._free_slots.remove(slot)
@@ -207,12 +207,16 @@ class Scheduler:
         return len(self._free_slots)
 
     # -- the rule ----------------------------------------------------------------------------------
-    def _tokens_to_run(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+    def _tokens_to_run(self, request: Request, budget: int, computed: int | None = None) -> int:
+        """``computed``: the request's computed tokens if not ``num_computed_tokens`` (a waiting prompt's cached
+        prefix, before it is admitted)."""
+        if computed is None:
+            computed = request.num_computed_tokens
+        num_new = request.num_tokens_with_spec - computed
         if 0 < self.long_prefill_threshold < num_new:
             num_new = self.long_prefill_threshold
         # The token at max_model_len - 1 is never fed back, so no position at or past it gets KV.
-        return max(0, min(num_new, budget, self.max_model_len - 1 - request.num_computed_tokens))
+        return max(0, min(num_new, budget, self.max_model_len - 1 - computed))
 
     def schedule(self) -> SchedulerOutput:
         rows: list[tuple[Request, int]] = []
@@ -249,13 +253,11 @@ class Scheduler:
         while self.waiting and budget + overflow > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             slot, cached = self._pick_slot(request)
-            request.num_computed_tokens = cached  # for the counts below; only _admit makes it so
-            num_new = self._tokens_to_run(request, max(budget, 0))
-            whole = self._tokens_to_run(request, self.token_budget)
+            num_new = self._tokens_to_run(request, max(budget, 0), cached)
+            whole = self._tokens_to_run(request, self.token_budget, cached)
             fits = whole <= budget + overflow
-            if num_new < whole and fits and whole == request.num_tokens_with_spec - request.num_computed_tokens:
+            if num_new < whole and fits and whole == request.num_tokens_with_spec - cached:
                 num_new = whole
-            request.num_computed_tokens = 0
             stays_partial = cached + num_new < request.num_prompt_tokens
             if stays_partial and partial >= self.max_partial_prefills:
                 skipped.append(request)
