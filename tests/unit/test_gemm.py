@@ -112,3 +112,39 @@ def test_linear_without_the_gemm_takes_onednn_and_still_adds_the_residual(monkey
         fused = linear(x, w, b, residual=r)
     assert torch.equal(plain, F.linear(x, w, b))
     assert torch.equal(fused, F.linear(x, w, b) + r)
+
+
+needs_amx = pytest.mark.skipif(not gemm.uses_amx(), reason="no AMX-BF16 on this machine")
+
+
+@needs_amx
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (200, 1536)])  # one L2 block of x; several (80 rows at K=1536)
+def test_amx_rows_do_not_depend_on_what_they_are_batched_with(n: int, k: int) -> None:
+    """Every row goes through the tiles, a last partial tile from a padded copy: so a request's bits are the
+    same alone, in a batch of 17 or of 200 (prefix caching and lossless speculation rely on it)."""
+    x, w, b, r = _data(200, n, k, seed=11)
+    with torch.inference_mode():
+        full = gemm.matmul(x, w, b, r)
+        assert full is not None
+        for m in (1, 15, 16, 17, 33, 81):
+            part = gemm.matmul(x[:m].contiguous(), w, b, r[:m].contiguous())
+            assert part is not None and torch.equal(part, full[:m]), m
+            tail = gemm.matmul(x[-m:].contiguous(), w, b, r[-m:].contiguous())
+            assert tail is not None and torch.equal(tail, full[-m:]), m
+
+
+@needs_amx
+def test_amx_can_be_switched_off_for_the_avx512_tile() -> None:
+    lib = gemm.cpu_kernels._library()
+    assert lib is not None
+    x, w, b, _ = _data(40, 480, 576, seed=3)
+    with torch.inference_mode():
+        tiles = gemm.matmul(x, w, b)
+        try:
+            assert lib.gemm_set_amx(0) == 0 and not gemm.uses_amx()
+            avx = gemm.matmul(x, w, b)
+        finally:
+            assert lib.gemm_set_amx(1) == 1
+    assert tiles is not None and avx is not None
+    # Both sum exact products in fp32 (in another order): at most a bf16 rounding step apart.
+    torch.testing.assert_close(tiles.float(), avx.float(), rtol=2**-7, atol=1e-3)

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
 
-from nxdserve.engine.models import cpu_kernels, greedy_head
+from nxdserve.engine.models import cpu_kernels, gemm, greedy_head
 from nxdserve.engine.models.greedy_head import GreedyHead
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.sampling import Sampler
 from nxdserve.sampling_params import SamplingParams
 from tests.unit.test_sampler import make_batch
 
-needs_screen = pytest.mark.skipif(not greedy_head.available(), reason="no AVX512-VNNI/BF16 C kernels here")
+needs_screen = pytest.mark.skipif(not greedy_head.built(), reason="no AVX512-VNNI/BF16 C kernels here")
+
+
+@pytest.fixture(autouse=True)
+def _avx512_gemm() -> Iterator[None]:
+    """The screen's contract is the AVX512 tile's full head: where GEMMs run on AMX, switch that off here."""
+    lib = cpu_kernels._library()
+    if lib is None or not gemm.uses_amx():
+        yield
+        return
+    lib.gemm_set_amx(0)
+    try:
+        yield
+    finally:
+        lib.gemm_set_amx(1)
 
 
 def _head(v: int, k: int, seed: int) -> torch.nn.Parameter:

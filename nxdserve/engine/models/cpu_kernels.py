@@ -427,6 +427,14 @@ def _library() -> ctypes.CDLL | None:
             lib.gemm_bf16.restype = None
             lib.gemm_set_work_stealing.argtypes = [_int]
             lib.gemm_set_work_stealing.restype = None
+        lib.gemm_amx.restype = _int
+        lib.gemm_set_amx.argtypes = [_int]
+        lib.gemm_set_amx.restype = _int
+        # Asked here, before any GEMM runs on the OpenMP threads (see gemm_source: NXDSERVE_AMX=0 turns it off).
+        if os.environ.get("NXDSERVE_AMX", "1") == "0":
+            lib.gemm_set_amx(0)
+        else:
+            lib.gemm_amx()
     except Exception as exc:  # any failure: fall back to SDPA, loudly once
         logger.warning("CPU attention kernel unavailable (%s): using SDPA", exc)
         return None

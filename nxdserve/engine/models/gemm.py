@@ -2,7 +2,8 @@
 
 ``matmul(x, weight, bias, residual)`` returns None where the kernel does not apply (no AVX512-BF16
 build, another dtype or device, autograd, non-contiguous rows); ``linear`` then takes oneDNN.
-``NXDSERVE_GEMM=0`` turns it off (A/B measurements).
+``NXDSERVE_GEMM=0`` turns it off (A/B measurements). Where the CPU has AMX-BF16, GEMMs whose K is a multiple
+of 32 run on its tiles (``gemm_source``: the same packed panels).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ enabled = os.environ.get("NXDSERVE_GEMM", "1") != "0"
 
 def available() -> bool:
     return enabled and cpu_kernels.available() and cpu_kernels.built("gemm_available")
+
+
+def uses_amx() -> bool:
+    """Whether the GEMMs run on AMX tiles (Intel since Sapphire Rapids; ``NXDSERVE_AMX=0`` turns it off)."""
+    lib = cpu_kernels._library()
+    return available() and lib is not None and bool(lib.gemm_amx())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,16 @@ enabled = os.environ.get("NXDSERVE_GREEDY_HEAD", "1") != "0"
 logger = logging.getLogger(__name__)
 
 
+def built() -> bool:
+    """Whether the screen's kernel exists here (AVX512-VNNI and BF16)."""
+    return gemm.available() and cpu_kernels.built("greedy_head_available")
+
+
 def available() -> bool:
-    return enabled and gemm.available() and cpu_kernels.built("greedy_head_available")
+    """Whether greedy rows take the screen. Not where GEMMs run on AMX: there the full head (bf16 tiles) beats
+    the int8 AVX512 screen, and the screen's candidates, recomputed by the AVX512 tile, would not have the
+    full head's bits."""
+    return enabled and built() and not gemm.uses_amx()
 
 
 @dataclass
