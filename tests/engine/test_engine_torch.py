@@ -162,7 +162,7 @@ def test_min_tokens_and_stop_token_ids() -> None:
     assert stop_id not in masked.outputs[0].token_ids[:6]
 
 
-@pytest.mark.skipif(not greedy_head.available(), reason="no LM-head screen here (no AVX512-VNNI, or AMX)")
+@pytest.mark.skipif(not greedy_head.available(), reason="no AVX512-VNNI/BF16 C kernels here")
 def test_greedy_tokens_from_the_lm_head_screen_equal_the_full_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     # bf16 (the screen's dtype), 16 prompts decoding together: the screen answers the plain greedy steps, and
     # every token equals the one the full head's logits give.

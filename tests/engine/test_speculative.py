@@ -304,7 +304,7 @@ def test_eagle_skips_its_cache_update_at_large_batch_while_drafting_is_off(monke
     assert spec_counts(core)[0] > 0  # alone in a reused slot: drafts again
 
 
-@pytest.mark.skipif(not greedy_head.available(), reason="no LM-head screen here (no AVX512-VNNI, or AMX)")
+@pytest.mark.skipif(not greedy_head.available(), reason="no AVX512-VNNI/BF16 C kernels here")
 def test_bf16_verification_from_the_lm_head_screen_is_lossless(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16, where greedy rows take their argmax from the LM-head screen (``greedy_head``), verification
     rows included: n-gram speculation gives exactly the plain tokens, and the screen answered every step."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -16,20 +14,6 @@ from nxdserve.sampling_params import SamplingParams
 from tests.unit.test_sampler import make_batch
 
 needs_screen = pytest.mark.skipif(not greedy_head.built(), reason="no AVX512-VNNI/BF16 C kernels here")
-
-
-@pytest.fixture(autouse=True)
-def _avx512_gemm() -> Iterator[None]:
-    """The screen's contract is the AVX512 tile's full head: where GEMMs run on AMX, switch that off here."""
-    lib = cpu_kernels._library()
-    if lib is None or not gemm.uses_amx():
-        yield
-        return
-    lib.gemm_set_amx(0)
-    try:
-        yield
-    finally:
-        lib.gemm_set_amx(1)
 
 
 def _head(v: int, k: int, seed: int) -> torch.nn.Parameter:
@@ -168,3 +152,24 @@ def test_plain_greedy_is_what_sample_answers_with_one_argmax() -> None:
     assert sampler.plain_greedy(np.array([0]), batch)
     for slot in range(1, len(params)):
         assert not sampler.plain_greedy(np.array([0, slot]), batch), params[slot]
+
+
+@needs_screen
+@pytest.mark.skipif(not gemm.uses_amx(), reason="no AMX-BF16 on this machine")
+def test_screen_recomputes_with_whichever_tile_the_full_head_uses() -> None:
+    """On AMX the full head's bits are the tiles'; with AMX switched off, the AVX512 tile's. The candidates'
+    recompute follows, so the index is the full head's either way (a near tie decides differently)."""
+    lib = cpu_kernels._library()
+    assert lib is not None
+    w = _head(3000, 64, seed=4)
+    head = GreedyHead(w)
+    with torch.inference_mode():
+        x = _hidden(w, 24, seed=9)
+        on_tiles = head.argmax(x, 3000)
+        assert on_tiles is not None and torch.equal(on_tiles, _full_argmax(x, w, 3000))
+        try:
+            lib.gemm_set_amx(0)
+            on_avx512 = head.argmax(x, 3000)
+            assert on_avx512 is not None and torch.equal(on_avx512, _full_argmax(x, w, 3000))
+        finally:
+            lib.gemm_set_amx(1)

@@ -40,10 +40,7 @@ def built() -> bool:
 
 
 def available() -> bool:
-    """Whether greedy rows take the screen. Not where GEMMs run on AMX: there the full head (bf16 tiles) beats
-    the int8 AVX512 screen, and the screen's candidates, recomputed by the AVX512 tile, would not have the
-    full head's bits."""
-    return enabled and built() and not gemm.uses_amx()
+    return enabled and built()
 
 
 @dataclass

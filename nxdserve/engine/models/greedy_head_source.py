@@ -4,8 +4,8 @@ The LM head is ~11% of a 32-row decode step on the CPU (49152 x 576 at the bf16 
 only the index of its largest logit. So the head runs first in int8 (``vpdpbusd``: twice the bf16 rate,
 half the bytes), with a proven bound on how far each int8 logit can be from the bf16 one. Only the columns
 whose bound reaches the row's best lower bound are computed again in bf16, by the very register tile the
-full head uses (``gm_tile_1``), which gives the same bits. The index returned is the one the full head's
-logits give to ``argmax`` (first maximum).
+full head uses (``gm_tile_1``, or the AMX tiles where the GEMMs run on them), which gives the same bits. The
+index returned is the one the full head's logits give to ``argmax`` (first maximum).
 
 Where the bound comes from, for a row x and a column w (K values, bf16):
   x is split into a few calibrated outlier channels S (kept in bf16: the final hidden state has a handful of
@@ -228,13 +228,19 @@ int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, 
         _Pragma("omp barrier")
         /* 3. Per row: the candidates that reach the final threshold, in column order (thread t's panels
            precede thread t + 1's), computed again panel by panel with the head's own tile. */
+        const int amx = gm_use_amx(K); /* then the full head runs on AMX tiles: so does the recompute */
+#ifdef GM_AMX
+        if (amx) gm_amx_config();
+#endif
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t m = 0; m < M; m++) {
             if (rows.sx[m] < 0.f) { out[m] = -1; bad++; continue; }
+            const uint16_t* xpad = NULL; /* row m padded to a tile (gm_amx_tail), copied on its first panel */
             float L = -FLT_MAX;
             for (int t = 0; t < nth; t++) if (lists[t * M + m].best_lo > L) L = lists[t * M + m].best_lo;
             const float tau = L - ldexpf(fabsf(L), -6) - 0x1p-90f;
             uint16_t logits[GM_NR] __attribute__((aligned(64)));
+            (void)amx; (void)xpad;
             int64_t done_panel = -1, best = -1;
             float best_v = -FLT_MAX;
             for (int t = 0; t < nth; t++) {
@@ -243,6 +249,13 @@ int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, 
                     if (ls->hi[i] < tau) continue;
                     const int64_t n = ls->idx[i], p = n / GM_NR;
                     if (p != done_panel) {
+#ifdef GM_AMX
+                        if (amx) {
+                            if (!xpad) xpad = gm_amx_tail(x + m * xs, 1, K, xs);
+                            gm_panel_amx(x + m * xs, 0, 1, K, xs, xpad, wfull + p * panel_w, NULL, 0, NULL, NULL, 0,
+                                         GM_NR, logits, 0);
+                        } else
+#endif
                         gm_tile_1(x + m * xs, xs, K, wfull + p * panel_w, NULL, 0, NULL, NULL, 0, logits, 0, 0, GM_NR);
                         done_panel = p;
                         rechecked += GM_NR;
