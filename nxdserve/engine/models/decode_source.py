@@ -288,35 +288,21 @@ void decode_forward_silu_mul(const uint16_t* tab, const uint16_t* g, const uint1
    into bf16 pairs per dimension pair, so q . k is 32 pair products per row with no horizontal sums (the
    single-token item needs a 16-way reduction per key); p . v goes on bf16 pairs as in the item.
    sc: R * np floats of scores, pb: R * np bf16 weights (np = df_np(keys)). */
-static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R, int64_t G, const uint16_t* kb,
-                       const uint16_t* vb, int64_t n0, float scale, float* sc, uint16_t* pb) {
-    const int64_t n = n0 + (R - 1) / G, np = df_np(n);
-    float inv[DF_BLOCK_ROWS];
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t nb = n - j0 < 16 ? n - j0 : 16;
-        __m512i kt[32];
-        for (int64_t j = 0; j < 16; j++) {
-            const uint16_t* kr = kb + (j0 + j) * 64;
-            kt[j] = j < nb ? _mm512_loadu_si512(kr) : _mm512_setzero_si512();
-            kt[16 + j] = j < nb ? _mm512_loadu_si512(kr + 32) : _mm512_setzero_si512();
-        }
-        df_transpose16(kt);
-        df_transpose16(kt + 16); /* kt[p] lane j: dims 2p, 2p + 1 of key j0 + j */
-        for (int64_t r0 = 0; r0 < R; r0 += 8) {
-            const df_u32* q[8];
-            for (int r = 0; r < 8; r++) q[r] = (const df_u32*)qp[r0 + r < R ? r0 + r : R - 1];
-            __m512 acc[8];
-            for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
-            for (int p = 0; p < 32; p++) {
-                __m512bh k = (__m512bh)kt[p];
-                for (int r = 0; r < 8; r++)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int32_t)q[r][p]), k);
-            }
-            for (int r = 0; r < 8 && r0 + r < R; r++)
-                _mm512_storeu_ps(sc + (r0 + r) * np + j0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
-        }
+/* 16 keys of head size 64 from k (nb of them, zeros after), transposed: kt[p] lane j holds dims 2p, 2p + 1 of
+   key j (as bf16 pairs). */
+static inline void df_keys_transposed(const uint16_t* k, int64_t nb, __m512i* kt) {
+    for (int64_t j = 0; j < 16; j++) {
+        kt[j] = j < nb ? _mm512_loadu_si512(k + j * 64) : _mm512_setzero_si512();
+        kt[16 + j] = j < nb ? _mm512_loadu_si512(k + j * 64 + 32) : _mm512_setzero_si512();
     }
-    /* Softmax per row over its own keys; the weights rounded to bf16 (as in the item), zero past them. */
+    df_transpose16(kt);
+    df_transpose16(kt + 16);
+}
+
+/* A block's softmax: per row r (its keys: n0 + r / G) over its scores sc (row stride np); the weights rounded to
+   bf16 (as in the item) into pb, zero past the row's keys up to np; inv[r] = 1 / their sum. */
+static void df_block_softmax(const float* sc, uint16_t* pb, int64_t R, int64_t G, int64_t n0, int64_t np,
+                             float* inv) {
     for (int64_t r = 0; r < R; r++) {
         const int64_t nr = n0 + r / G;
         const float* s = sc + r * np;
@@ -340,6 +326,31 @@ static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R
         }
         inv[r] = 1.f / _mm512_reduce_add_ps(sv);
     }
+}
+
+static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R, int64_t G, const uint16_t* kb,
+                       const uint16_t* vb, int64_t n0, float scale, float* sc, uint16_t* pb) {
+    const int64_t n = n0 + (R - 1) / G, np = df_np(n);
+    float inv[DF_BLOCK_ROWS];
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t nb = n - j0 < 16 ? n - j0 : 16;
+        __m512i kt[32];
+        df_keys_transposed(kb + j0 * 64, nb, kt); /* kt[p] lane j: dims 2p, 2p + 1 of key j0 + j */
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {
+            const df_u32* q[8];
+            for (int r = 0; r < 8; r++) q[r] = (const df_u32*)qp[r0 + r < R ? r0 + r : R - 1];
+            __m512 acc[8];
+            for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+            for (int p = 0; p < 32; p++) {
+                __m512bh k = (__m512bh)kt[p];
+                for (int r = 0; r < 8; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int32_t)q[r][p]), k);
+            }
+            for (int r = 0; r < 8 && r0 + r < R; r++)
+                _mm512_storeu_ps(sc + (r0 + r) * np + j0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+        }
+    }
+    df_block_softmax(sc, pb, R, G, n0, np, inv);
     /* p . v, six rows at a time (24 accumulators): a pair of V rows is interleaved once per six rows. */
     for (int64_t r0 = 0; r0 < R; r0 += 6) {
         const int64_t rm = R - r0 < 6 ? R - r0 : 6, ng = n0 + (r0 + rm - 1) / G;
@@ -383,13 +394,7 @@ static void df_block64_amx(const uint16_t* const* qp, uint16_t* const* op, int64
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t nb = n - j0 < 16 ? n - j0 : 16;
         __m512i kt[32];
-        for (int64_t j = 0; j < 16; j++) {
-            const uint16_t* kr = kb + (j0 + j) * 64;
-            kt[j] = j < nb ? _mm512_loadu_si512(kr) : _mm512_setzero_si512();
-            kt[16 + j] = j < nb ? _mm512_loadu_si512(kr + 32) : _mm512_setzero_si512();
-        }
-        df_transpose16(kt);
-        df_transpose16(kt + 16); /* kt[p] lane j: dims 2p, 2p + 1 of key j0 + j: row p of a B tile */
+        df_keys_transposed(kb + j0 * 64, nb, kt); /* kt[p]: row p of a B tile */
         for (int p = 0; p < 32; p++) _mm512_store_si512(kbuf + p * 32, kt[p]);
         _tile_loadd(2, kbuf, 64);
         _tile_loadd(3, kbuf + 16 * 32, 64);
@@ -404,28 +409,7 @@ static void df_block64_amx(const uint16_t* const* qp, uint16_t* const* op, int64
                 _mm512_storeu_ps(sc + r * np + j0, _mm512_mul_ps(_mm512_load_ps(cbuf + (r - 16 * rt) * 16), sv));
         }
     }
-    for (int64_t r = 0; r < R; r++) { /* df_block64's softmax */
-        const int64_t nr = n0 + r / G;
-        const float* s = sc + r * np;
-        uint16_t* w = pb + r * np;
-        __m512 mv = _mm512_set1_ps(-3.0e38f), su = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nr; j += 16) {
-            __mmask16 m = df_mask16(nr - j);
-            mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, s + j));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-        for (int64_t j = 0; j < np; j += 32) {
-            __mmask16 m0 = df_mask16(nr - j), m1 = df_mask16(nr - j - 16);
-            __m512 e0 = df_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m0, s + j), mx));
-            __m512 e1 = df_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m1, s + j + 16), mx));
-            __mmask32 m = (__mmask32)m0 | ((__mmask32)m1 << 16);
-            __m512i e = _mm512_maskz_mov_epi16(m, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-            _mm512_storeu_si512(w + j, e);
-            su = _mm512_dpbf16_ps(su, (__m512bh)e, ones);
-        }
-        inv[r] = 1.f / _mm512_reduce_add_ps(su);
-    }
+    df_block_softmax(sc, pb, R, G, n0, np, inv);
     for (int64_t rt = 0; rt < RT; rt++) {
         const int64_t r1 = R < 16 * rt + 16 ? R : 16 * rt + 16, ng = n0 + (r1 - 1) / G;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
