@@ -83,10 +83,11 @@ def default_chunked_budget(config: EngineConfig) -> int:
 def default_cpu_overflow_fraction(config: EngineConfig) -> float:
     """The whole-prompt overflow with the CPU default budget, as a fraction of it: a whole budget where a bf16
     model's GEMMs run on AMX tiles, else half (see config)."""
+    if default_chunked_budget(config) != DEFAULT_CPU_CHUNKED_BATCHED_TOKENS or config.dtype not in ("auto", "bfloat16"):
+        return DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW  # not used, or fp32: no CPU kernels to ask
     from nxdserve.engine.models import gemm
 
-    amx = config.dtype in ("auto", "bfloat16") and gemm.uses_amx()
-    return DEFAULT_CPU_AMX_WHOLE_PROMPT_OVERFLOW if amx else DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW
+    return DEFAULT_CPU_AMX_WHOLE_PROMPT_OVERFLOW if gemm.uses_amx() else DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW
 
 
 def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[Any, ModelFiles]:

@@ -40,6 +40,8 @@ def test_chunked_budget_never_below_max_num_seqs_and_explicit_value_wins() -> No
 def test_whole_prompt_overflow_is_a_whole_budget_where_gemms_run_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     from nxdserve.engine.models import gemm
 
+    monkeypatch.setattr(backends, "nxd_status", lambda: (False, "not here"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     cpu = DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
     for amx, expected in ((True, cpu), (False, cpu // 2)):
         monkeypatch.setattr(gemm, "uses_amx", lambda amx=amx: amx)
@@ -49,6 +51,7 @@ def test_whole_prompt_overflow_is_a_whole_budget_where_gemms_run_on_amx(monkeypa
     # fp32 GEMMs do not run on the tiles; an explicit budget stays a hard cap either way.
     monkeypatch.setattr(gemm, "uses_amx", lambda: True)
     assert default_cpu_overflow_fraction(EngineConfig(dtype="float32")) == 0.5
+    assert default_cpu_overflow_fraction(EngineConfig(backend="nxd")) == 0.5  # not the CPU budget: never asked
     config = EngineConfig(max_num_batched_tokens=cpu)
     config.resolve(2048, chunked_token_budget=cpu, cpu_overflow_fraction=default_cpu_overflow_fraction(config))
     assert config.whole_prompt_overflow == 0
