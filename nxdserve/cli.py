@@ -147,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="chunked mode: tokens a step may exceed --max-num-batched-tokens by to run a short prompt whole "
-        "instead of splitting it (default with the CPU default budget of 128: 64, or 128 where the GEMMs run on "
-        "AMX; else 0)",
+        "instead of splitting it (default: 64 with the CPU default budget of 128, else 0)",
     )
     s.add_argument(
         "--max-consecutive-prefill-steps",

@@ -28,11 +28,6 @@ DEFAULT_CPU_CHUNKED_BATCHED_TOKENS = 128
 # decode: 242 -> 106 ms), throughput equal (618 / 624 tok/s), p99 ITL 90 -> 117 ms; half the budget beat a
 # whole one (441 ms, p99 ITL 158). Long prompts (more than a step) are split exactly as before.
 DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW = 0.5
-# Where the GEMMs run on AMX tiles, a prompt's tokens cost little against a step's fixed part (every weight read
-# from memory once): there the overflow is a whole budget. Measured on a 2-core Granite Rapids VM, served, 3
-# interleaved rounds against half a budget: workload a 909 vs 812 tok/s, mean TTFT 260 vs 291 ms; under the
-# mixed load the short requests' max ITL 2.1-2.5x their median against 1.6-1.7x (the issue's bound is 3x).
-DEFAULT_CPU_AMX_WHOLE_PROMPT_OVERFLOW = 1.0
 
 
 @dataclass
@@ -54,8 +49,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 1
     # Chunked mode: tokens a step may run past max_num_batched_tokens to run a waiting prompt whole rather
     # than split it (only prompts that fit one step's budget). None: half the budget where the CPU default
-    # budget applies (the whole of it with AMX GEMMs), else 0 (an explicit max_num_batched_tokens stays a hard
-    # cap, as in vLLM).
+    # budget applies, else 0 (an explicit max_num_batched_tokens stays a hard cap, as in vLLM).
     whole_prompt_overflow: int | None = None
     max_consecutive_prefill_steps: int = 1  # prefill-first anti-starvation
     max_waiting: int | None = None  # None: unbounded queue
@@ -72,11 +66,9 @@ class EngineConfig:
         model_max_positions: int | None,
         backend_max_len: int | None = None,
         chunked_token_budget: int = DEFAULT_CHUNKED_BATCHED_TOKENS,
-        cpu_overflow_fraction: float = DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW,
     ) -> EngineConfig:
         """Fill defaults that depend on the model and the backend and check the whole config. Returns self.
-        ``chunked_token_budget``: the default step budget in chunked mode (the loader passes the CPU one);
-        ``cpu_overflow_fraction``: the whole-prompt overflow, as a fraction of the CPU default budget."""
+        ``chunked_token_budget``: the default step budget in chunked mode (the loader passes the CPU one)."""
         limit = model_max_positions or DEFAULT_MAX_MODEL_LEN
         if backend_max_len is not None:
             limit = min(limit, backend_max_len)
@@ -98,7 +90,7 @@ class EngineConfig:
                 and chunked_token_budget == DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
             )
             self.whole_prompt_overflow = (
-                int(chunked_token_budget * cpu_overflow_fraction) if cpu_default else 0
+                int(chunked_token_budget * DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW) if cpu_default else 0
             )
         if self.whole_prompt_overflow < 0:
             raise ConfigError("whole_prompt_overflow must be non-negative.")

@@ -8,13 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nxdserve.config import (
-    DEFAULT_CHUNKED_BATCHED_TOKENS,
-    DEFAULT_CPU_AMX_WHOLE_PROMPT_OVERFLOW,
-    DEFAULT_CPU_CHUNKED_BATCHED_TOKENS,
-    DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW,
-    EngineConfig,
-)
+from nxdserve.config import DEFAULT_CHUNKED_BATCHED_TOKENS, DEFAULT_CPU_CHUNKED_BATCHED_TOKENS, EngineConfig
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -80,16 +74,6 @@ def default_chunked_budget(config: EngineConfig) -> int:
     return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
 
 
-def default_cpu_overflow_fraction(config: EngineConfig) -> float:
-    """The whole-prompt overflow with the CPU default budget, as a fraction of it: a whole budget where a bf16
-    model's GEMMs run on AMX tiles, else half (see config)."""
-    if default_chunked_budget(config) != DEFAULT_CPU_CHUNKED_BATCHED_TOKENS or config.dtype not in ("auto", "bfloat16"):
-        return DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW  # not used, or fp32: no CPU kernels to ask
-    from nxdserve.engine.models import gemm
-
-    return DEFAULT_CPU_AMX_WHOLE_PROMPT_OVERFLOW if gemm.uses_amx() else DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW
-
-
 def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[Any, ModelFiles]:
     """Load everything and return a ready EngineCore (synchronous; used by AsyncEngine and tests)."""
     from nxdserve.engine.backends import create_backend
@@ -97,11 +81,7 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
     from nxdserve.engine.metrics import EngineMetrics
 
     files = load_model_files(config)
-    config.resolve(
-        max_positions(files.hf_config),
-        chunked_token_budget=default_chunked_budget(config),
-        cpu_overflow_fraction=default_cpu_overflow_fraction(config),
-    )
+    config.resolve(max_positions(files.hf_config), chunked_token_budget=default_chunked_budget(config))
     backend = create_backend(config, files.path)
     extra = set(files.generation_eos_ids)
     name = config.served_model_name[0] if config.served_model_name else (config.model or files.path.name)

@@ -1,4 +1,4 @@
-"""Defaults that depend on where the engine runs: the chunked-mode step budget and its whole-prompt overflow."""
+"""Defaults that depend on where the engine runs: the chunked-mode step budget."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from nxdserve.config import DEFAULT_CHUNKED_BATCHED_TOKENS, DEFAULT_CPU_CHUNKED_BATCHED_TOKENS, EngineConfig
 from nxdserve.engine import backends
-from nxdserve.engine.loader import default_chunked_budget, default_cpu_overflow_fraction
+from nxdserve.engine.loader import default_chunked_budget
 
 
 def test_cpu_torch_backend_gets_the_small_chunked_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,23 +35,3 @@ def test_chunked_budget_never_below_max_num_seqs_and_explicit_value_wins() -> No
     assert config.max_num_batched_tokens == 300
     config = EngineConfig(enable_chunked_prefill=False).resolve(2048, chunked_token_budget=96)
     assert config.max_num_batched_tokens == 2048  # prefill-first: a whole prompt fits one step
-
-
-def test_whole_prompt_overflow_is_a_whole_budget_where_gemms_run_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nxdserve.engine.models import gemm
-
-    monkeypatch.setattr(backends, "nxd_status", lambda: (False, "not here"))
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    cpu = DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
-    for amx, expected in ((True, cpu), (False, cpu // 2)):
-        monkeypatch.setattr(gemm, "uses_amx", lambda amx=amx: amx)
-        config = EngineConfig()
-        config.resolve(2048, chunked_token_budget=cpu, cpu_overflow_fraction=default_cpu_overflow_fraction(config))
-        assert config.whole_prompt_overflow == expected
-    # fp32 GEMMs do not run on the tiles; an explicit budget stays a hard cap either way.
-    monkeypatch.setattr(gemm, "uses_amx", lambda: True)
-    assert default_cpu_overflow_fraction(EngineConfig(dtype="float32")) == 0.5
-    assert default_cpu_overflow_fraction(EngineConfig(backend="nxd")) == 0.5  # not the CPU budget: never asked
-    config = EngineConfig(max_num_batched_tokens=cpu)
-    config.resolve(2048, chunked_token_budget=cpu, cpu_overflow_fraction=default_cpu_overflow_fraction(config))
-    assert config.whole_prompt_overflow == 0
