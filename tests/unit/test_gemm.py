@@ -138,13 +138,22 @@ def test_amx_can_be_switched_off_for_the_avx512_tile() -> None:
     lib = gemm.cpu_kernels._library()
     assert lib is not None
     x, w, b, _ = _data(40, 480, 576, seed=3)
+    # Terms 2^24, 1, -2^24, 1: the tiles sum them to 2, the AVX512 tile (another order within a pair) to 0.
+    x_order = torch.zeros(1, 64)
+    x_order[0, :4] = torch.tensor([4096.0, 1.0, 4096.0, 1.0])
+    w_order = torch.zeros(48, 64)
+    w_order[0, :4] = torch.tensor([4096.0, 1.0, -4096.0, 1.0])
+    x_order, w_order = x_order.bfloat16(), w_order.bfloat16()
     with torch.inference_mode():
         tiles = gemm.matmul(x, w, b)
+        tiles_order = gemm.matmul(x_order, w_order)
         try:
             assert lib.gemm_set_amx(0) == 0 and not gemm.uses_amx()
             avx = gemm.matmul(x, w, b)
+            avx_order = gemm.matmul(x_order, w_order)
         finally:
             assert lib.gemm_set_amx(1) == 1
-    assert tiles is not None and avx is not None
+    assert tiles is not None and avx is not None and tiles_order is not None and avx_order is not None
+    assert (tiles_order[0, 0].item(), avx_order[0, 0].item()) == (2.0, 0.0)
     # Both sum exact products in fp32 (in another order): at most a bf16 rounding step apart.
     torch.testing.assert_close(tiles.float(), avx.float(), rtol=2**-7, atol=1e-3)

@@ -157,19 +157,27 @@ def test_plain_greedy_is_what_sample_answers_with_one_argmax() -> None:
 @needs_screen
 @pytest.mark.skipif(not gemm.uses_amx(), reason="no AMX-BF16 on this machine")
 def test_screen_recomputes_with_whichever_tile_the_full_head_uses() -> None:
-    """On AMX the full head's bits are the tiles'; with AMX switched off, the AVX512 tile's. The candidates'
-    recompute follows, so the index is the full head's either way (a near tie decides differently)."""
+    """On AMX the full head's bits are the tiles'; with AMX switched off, the AVX512 tile's. The two sum a
+    pair of products in different orders: column 0's terms 2^24, 1, -2^24, 1 give 2 on the tiles and 0 on the
+    AVX512 tile, so column 0 (tiles) or column 1 (logit 1, AVX512) is the full head's argmax. The candidates'
+    recompute must follow, or the screen answers the other column."""
     lib = cpu_kernels._library()
     assert lib is not None
-    w = _head(3000, 64, seed=4)
-    head = GreedyHead(w)
+    w = torch.zeros(144, 64)
+    w[0, :4] = torch.tensor([4096.0, 1.0, -4096.0, 1.0])
+    w[1, 1] = 1.0
+    weight = torch.nn.Parameter(w.bfloat16(), requires_grad=False)
+    x = torch.zeros(1, 64)
+    x[0, :4] = torch.tensor([4096.0, 1.0, 4096.0, 1.0])
+    x = x.bfloat16()
     with torch.inference_mode():
-        x = _hidden(w, 24, seed=9)
-        on_tiles = head.argmax(x, 3000)
-        assert on_tiles is not None and torch.equal(on_tiles, _full_argmax(x, w, 3000))
+        on_tiles = GreedyHead(weight).argmax(x, 144)
+        assert on_tiles is not None and torch.equal(on_tiles, _full_argmax(x, weight, 144))
+        assert on_tiles.tolist() == [0]
         try:
             lib.gemm_set_amx(0)
-            on_avx512 = head.argmax(x, 3000)
-            assert on_avx512 is not None and torch.equal(on_avx512, _full_argmax(x, w, 3000))
+            on_avx512 = GreedyHead(weight).argmax(x, 144)
+            assert on_avx512 is not None and torch.equal(on_avx512, _full_argmax(x, weight, 144))
+            assert on_avx512.tolist() == [1]
         finally:
             lib.gemm_set_amx(1)
