@@ -42,6 +42,20 @@ static inline __m512 gm_widen(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* The epilogue of 16 output columns (as the eager layer rounds): out = bf16(acc + bias), then, with res,
+   bf16(out + res). m masks the columns past N; bv is gm_bias16's. */
+static inline __mmask16 gm_cols16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+static inline __m512 gm_bias16(const uint16_t* bias, int64_t c, __mmask16 m) {
+    return bias ? gm_widen(_mm256_maskz_loadu_epi16(m, bias + c)) : _mm512_setzero_ps();
+}
+static inline void gm_finish16(__m512 acc, __m512 bv, __mmask16 m, const uint16_t* res, uint16_t* out) {
+    __m256i h = gm_round(_mm512_add_ps(acc, bv));
+    if (res) h = gm_round(_mm512_add_ps(gm_widen(h), gm_widen(_mm256_maskz_loadu_epi16(m, res))));
+    _mm256_mask_storeu_epi16(out, m, h);
+}
+
 /* One register tile: MR rows of x (row stride xs) times one panel (GM_NR columns starting at column c0),
    epilogue out = bf16(bf16(acc + bias) + res) with bias and res optional, columns >= N masked off.
    pf, pf_lines: the cache lines of the next panel this tile pulls into L2, spread over its k steps. */
@@ -86,14 +100,9 @@ static void gm_tile_##MR(const uint16_t* x, int64_t xs, int64_t K, const uint16_
     for (int v = 0; v < GM_NV; v++) {                                                                  \
         int64_t c = c0 + 16 * v;                                                                       \
         if (c >= N) break;                                                                             \
-        __mmask16 m = N - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - c)) - 1);              \
-        __m512 bv = bias ? gm_widen(_mm256_maskz_loadu_epi16(m, bias + c)) : _mm512_setzero_ps();      \
-        for (int r = 0; r < MR; r++) {                                                                 \
-            __m256i h = gm_round(_mm512_add_ps(acc[r][v], bv));                                        \
-            if (res)                                                                                   \
-                h = gm_round(_mm512_add_ps(gm_widen(h), gm_widen(_mm256_maskz_loadu_epi16(m, res + r * rs + c)))); \
-            _mm256_mask_storeu_epi16(out + r * os + c, m, h);                                          \
-        }                                                                                              \
+        __mmask16 m = gm_cols16(N - c);                                                                \
+        __m512 bv = gm_bias16(bias, c, m);                                                             \
+        for (int r = 0; r < MR; r++) gm_finish16(acc[r][v], bv, m, res ? res + r * rs + c : NULL, out + r * os + c); \
     }                                                                                                  \
 }
 GM_KERNEL(1) GM_KERNEL(2) GM_KERNEL(3) GM_KERNEL(4) GM_KERNEL(5) GM_KERNEL(6) GM_KERNEL(7) GM_KERNEL(8)
@@ -209,18 +218,14 @@ static void gm_panel_amx(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, i
         _tile_stored(0, c, 4 * GM_NR);
         _tile_stored(1, c + 16, 4 * GM_NR);
         _tile_stored(2, c + 32, 4 * GM_NR);
-        for (int v = 0; v < GM_NV; v++) { /* gm_tile's epilogue */
+        for (int v = 0; v < GM_NV; v++) {
             const int64_t col = p * GM_NR + 16 * v;
             if (col >= N) break;
-            __mmask16 m = N - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - col)) - 1);
-            __m512 bv = bias ? gm_widen(_mm256_maskz_loadu_epi16(m, bias + col)) : _mm512_setzero_ps();
-            for (int64_t r = 0; r < rows; r++) {
-                __m256i h = gm_round(_mm512_add_ps(_mm512_load_ps(c + r * GM_NR + 16 * v), bv));
-                if (res)
-                    h = gm_round(_mm512_add_ps(gm_widen(h),
-                                               gm_widen(_mm256_maskz_loadu_epi16(m, res + (m0 + r) * rs + col))));
-                _mm256_mask_storeu_epi16(out + (m0 + r) * os + col, m, h);
-            }
+            const __mmask16 m = gm_cols16(N - col);
+            const __m512 bv = gm_bias16(bias, col, m);
+            for (int64_t r = 0; r < rows; r++)
+                gm_finish16(_mm512_load_ps(c + r * GM_NR + 16 * v), bv, m, res ? res + (m0 + r) * rs + col : NULL,
+                            out + (m0 + r) * os + col);
         }
     }
 }
