@@ -34,6 +34,8 @@ def _load(path: str) -> Any:
     lib = ctypes.CDLL(path)
     lib.gemm_bf16.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int]
     lib.gemm_bf16.restype = None
+    if hasattr(lib, "gemm_amx"):  # as cpu_kernels does for its own build: without it AMX stays off
+        lib.gemm_amx()
     return lib
 
 

@@ -145,6 +145,9 @@ extern long syscall(long number, ...); /* unistd.h declares it only with _GNU_SO
 #define GM_AMX 1
 #define GM_AMX_ROWS 16
 #define GM_AMX_K 32 /* bf16 values of k per tile step (16 pairs) */
+#ifndef GM_AMX_KC
+#define GM_AMX_KC 8 /* tile steps per K chunk in gm_panel_amx: 8 x 3 KB of the panel */
+#endif
 static int gm_amx_on = -1; /* -1: not asked yet; set by gemm_amx() before any GEMM runs */
 
 typedef struct {
@@ -188,44 +191,78 @@ static const uint16_t* gm_amx_tail(const uint16_t* x, int64_t M, int64_t K, int6
     return gm_tail_buf;
 }
 
+/* This thread's fp32 partial sums of ``tiles`` row tiles (3 C tiles each) between K chunks of gm_panel_amx. */
+static __thread float* gm_acc_buf;
+static __thread int64_t gm_acc_cap;
+static float* gm_amx_acc(int64_t tiles) {
+    const int64_t need = tiles * GM_NV * GM_AMX_ROWS * 16;
+    if (gm_acc_cap < need) {
+        free(gm_acc_buf);
+        gm_acc_buf = (float*)aligned_alloc(64, sizeof(float) * need);
+        gm_acc_cap = gm_acc_buf ? need : 0;
+    }
+    return gm_acc_buf;
+}
+
 /* gm_panel on the tiles: rows [b0, b1) of x against panel p, 16 rows a tile; a last tile of fewer rows reads
-   ``tail`` (gm_amx_tail) instead of x. The next panel is pulled into L2 as in gm_panel. */
+   ``tail`` (gm_amx_tail) instead of x. The next panel is pulled into L2 as in gm_panel, paced over all the
+   tile steps. With several row tiles, K goes in chunks of GM_AMX_KC steps: every row tile passes over one
+   chunk of the panel (24 KB, held in L1) before the next chunk, its three C tiles saved in fp32 between
+   chunks. Without chunks each row tile re-read the whole 55 KB panel from L2, whose bandwidth, not the
+   tiles, bounded a prefill. Each C tile still sums k in order, so the bits are the same either way. */
 static void gm_panel_amx(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, int64_t xs, const uint16_t* tail,
                          const uint16_t* w, const uint16_t* next, int64_t p, const uint16_t* bias,
                          const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os) {
     float c[GM_AMX_ROWS * GM_NR] __attribute__((aligned(64)));
-    const int64_t KB = K / GM_AMX_K, lines = (K / 2) * GM_STEP_LINES;
-    const int64_t tiles = (b1 - b0 + GM_AMX_ROWS - 1) / GM_AMX_ROWS;
-    for (int64_t m0 = b0, t = 0; m0 < b1; m0 += GM_AMX_ROWS, t++) {
-        const int64_t rows = b1 - m0 < GM_AMX_ROWS ? b1 - m0 : GM_AMX_ROWS;
-        const uint16_t* a = rows == GM_AMX_ROWS ? x + m0 * xs : tail;
-        const int64_t as = 2 * (rows == GM_AMX_ROWS ? xs : K);
-        const int64_t l0 = lines * t / tiles, l1 = next ? lines * (t + 1) / tiles : l0;
-        const char* pf = next ? (const char*)next + 64 * l0 : NULL;
-        int64_t due = 0;
-        const uint16_t* wk = w;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2);
-        for (int64_t kb = 0; kb < KB; kb++, wk += GM_AMX_K * GM_NR) {
-            for (due += l1 - l0; due >= KB; due -= KB, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-            _tile_loadd(3, a + kb * GM_AMX_K, as);
-            _tile_loadd(4, wk, 4 * GM_NR);
-            _tile_loadd(5, wk + 32, 4 * GM_NR);
-            _tile_loadd(6, wk + 64, 4 * GM_NR);
-            _tile_dpbf16ps(0, 3, 4);
-            _tile_dpbf16ps(1, 3, 5);
-            _tile_dpbf16ps(2, 3, 6);
-        }
-        _tile_stored(0, c, 4 * GM_NR);
-        _tile_stored(1, c + 16, 4 * GM_NR);
-        _tile_stored(2, c + 32, 4 * GM_NR);
-        for (int v = 0; v < GM_NV; v++) {
-            const int64_t col = p * GM_NR + 16 * v;
-            if (col >= N) break;
-            const __mmask16 m = gm_cols16(N - col);
-            const __m512 bv = gm_bias16(bias, col, m);
-            for (int64_t r = 0; r < rows; r++)
-                gm_finish16(_mm512_load_ps(c + r * GM_NR + 16 * v), bv, m, res ? res + (m0 + r) * rs + col : NULL,
-                            out + (m0 + r) * os + col);
+    const int64_t KB = K / GM_AMX_K, lines = next ? (K / 2) * GM_STEP_LINES : 0;
+    const int64_t tiles = (b1 - b0 + GM_AMX_ROWS - 1) / GM_AMX_ROWS, steps = tiles * KB;
+    float* acc = tiles > 1 && KB > GM_AMX_KC ? gm_amx_acc(tiles) : NULL;
+    const int64_t chunks = acc ? (KB + GM_AMX_KC - 1) / GM_AMX_KC : 1;
+    const char* pf = (const char*)next;
+    int64_t due = 0;
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        const int64_t k0 = KB * ch / chunks, k1 = KB * (ch + 1) / chunks;
+        for (int64_t m0 = b0, t = 0; m0 < b1; m0 += GM_AMX_ROWS, t++) {
+            const int64_t rows = b1 - m0 < GM_AMX_ROWS ? b1 - m0 : GM_AMX_ROWS;
+            const uint16_t* a = rows == GM_AMX_ROWS ? x + m0 * xs : tail;
+            const int64_t as = 2 * (rows == GM_AMX_ROWS ? xs : K);
+            float* part = acc ? acc + t * GM_NV * GM_AMX_ROWS * 16 : NULL;
+            if (ch == 0) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2);
+            } else {
+                _tile_loadd(0, part, 64);
+                _tile_loadd(1, part + GM_AMX_ROWS * 16, 64);
+                _tile_loadd(2, part + 2 * GM_AMX_ROWS * 16, 64);
+            }
+            const uint16_t* wk = w + k0 * GM_AMX_K * GM_NR;
+            for (int64_t kb = k0; kb < k1; kb++, wk += GM_AMX_K * GM_NR) {
+                for (due += lines; due >= steps; due -= steps, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+                _tile_loadd(3, a + kb * GM_AMX_K, as);
+                _tile_loadd(4, wk, 4 * GM_NR);
+                _tile_loadd(5, wk + 32, 4 * GM_NR);
+                _tile_loadd(6, wk + 64, 4 * GM_NR);
+                _tile_dpbf16ps(0, 3, 4);
+                _tile_dpbf16ps(1, 3, 5);
+                _tile_dpbf16ps(2, 3, 6);
+            }
+            if (ch + 1 < chunks) {
+                _tile_stored(0, part, 64);
+                _tile_stored(1, part + GM_AMX_ROWS * 16, 64);
+                _tile_stored(2, part + 2 * GM_AMX_ROWS * 16, 64);
+                continue;
+            }
+            _tile_stored(0, c, 4 * GM_NR);
+            _tile_stored(1, c + 16, 4 * GM_NR);
+            _tile_stored(2, c + 32, 4 * GM_NR);
+            for (int v = 0; v < GM_NV; v++) {
+                const int64_t col = p * GM_NR + 16 * v;
+                if (col >= N) break;
+                const __mmask16 m = gm_cols16(N - col);
+                const __m512 bv = gm_bias16(bias, col, m);
+                for (int64_t r = 0; r < rows; r++)
+                    gm_finish16(_mm512_load_ps(c + r * GM_NR + 16 * v), bv, m,
+                                res ? res + (m0 + r) * rs + col : NULL, out + (m0 + r) * os + col);
+            }
         }
     }
 }
