@@ -107,3 +107,27 @@ def test_interleaved_rounds_alternate_servers_and_draw_new_prompts(monkeypatch: 
     assert results["a"]["nxd"]["output_throughput"] == 600.0
     assert len(results["a"]["peer"]["rounds"]) == 3
     assert compare.round_ratios(results["a"]["nxd"], results["a"]["peer"], "output_throughput") == [1.5] * 3
+
+
+def test_reversed_start_order_starts_the_last_listed_server_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    started: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_server(spec, log_dir, startup_timeout_s):  # type: ignore[no-untyped-def]
+        started.append(spec.name)
+        yield f"http://{spec.name}"
+
+    monkeypatch.setattr(compare, "running_server", fake_server)
+    monkeypatch.setattr(compare, "wait_for_server", lambda url, timeout_s: None)
+    monkeypatch.setattr(compare.Workload, "run", lambda self, url, tok, args: {"output_throughput": 1.0})
+    specs = [compare.ServerSpec(name, lambda port: [], ["a"]) for name in ("nxd", "pf", "peer")]
+    for order, expected in (("listed", ["nxd", "pf", "peer"]), ("reversed", ["peer", "pf", "nxd"])):
+        started.clear()
+        args = argparse.Namespace(rounds=2, seed=0, startup_timeout=1.0, start_order=order)
+        results: dict = {"a": {}}
+        compare.run_interleaved(specs, results, tokenizer=None, args=args, log_dir=Path("."))
+        assert started == expected
+        assert sorted(results["a"]) == ["nxd", "peer", "pf"]  # every server still ran each round
+    assert compare.build_parser().parse_args(["--start-order", "reversed"]).start_order == "reversed"
