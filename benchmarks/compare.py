@@ -395,6 +395,38 @@ def run_sequential(
             _failed_start(spec, results, exc)
 
 
+def start_order(specs: Sequence[ServerSpec], how: str, round_index: int) -> list[ServerSpec]:
+    """The order to start the servers in: as listed, reversed, or (``rotate``) listed rotated by the round."""
+    order = list(specs)
+    if how == "reversed":
+        return order[::-1]
+    if how == "rotate" and order:
+        k = round_index % len(order)
+        return order[k:] + order[:k]
+    return order
+
+
+def _start_servers(
+    stack: contextlib.ExitStack,
+    specs: Sequence[ServerSpec],
+    results: dict[str, dict[str, dict[str, Any]]],
+    args: argparse.Namespace,
+    log_dir: Path,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Start ``specs`` one after another, then pause them all: (their URLs, the start errors by name)."""
+    urls: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    for spec in specs:
+        try:
+            urls[spec.name] = stack.enter_context(running_server(spec, log_dir, args.startup_timeout))
+        except BenchError as exc:
+            _failed_start(spec, results, exc)
+            errors[spec.name] = f"server failed to start: {exc}"
+    for spec in specs:
+        _signal_group(spec, signal.SIGSTOP)
+    return urls, errors
+
+
 def run_interleaved(
     specs: Sequence[ServerSpec],
     results: dict[str, dict[str, dict[str, Any]]],
@@ -410,43 +442,60 @@ def run_interleaved(
 
     The order the servers start in matters on some VMs: on this project's Firecracker VMs (nested, with free
     page reporting) three identical nxdserve servers gave 704, 782 and 794 tok/s on workload a, the first
-    started the slowest in every round. ``--start-order reversed`` starts the last listed server first, so a
-    run in each order bounds the effect."""
+    started the slowest in every round. ``--start-order reversed`` starts the last listed server first;
+    ``rotate`` starts fresh servers for every round, each round's order the listed one rotated by one more,
+    so that each server is started first in as many rounds as the others and the medians over the rounds
+    (taken round by round for the ratios) do not favour one."""
+    how = getattr(args, "start_order", "listed")
     per_round: dict[str, dict[str, list[dict[str, Any]]]] = {key: {} for key in results}
     with contextlib.ExitStack() as stack:
-        urls: dict[str, str] = {}
-        reverse = getattr(args, "start_order", "listed") == "reversed"
-        for spec in list(specs)[::-1] if reverse else specs:
-            try:
-                urls[spec.name] = stack.enter_context(running_server(spec, log_dir, args.startup_timeout))
-            except BenchError as exc:
-                _failed_start(spec, results, exc)
-        for spec in specs:
-            _signal_group(spec, signal.SIGSTOP)
+        if how != "rotate":
+            urls, errors = _start_servers(stack, start_order(specs, how, 0), results, args, log_dir)
         for r in range(args.rounds):
-            order = list(specs) if r % 2 == 0 else list(specs)[::-1]
-            # New prompts each round (the same for every server in it): a server with a prefix cache (vLLM's
-            # is on by default) would otherwise prefill a repeated prompt from its cache from round 2 on.
-            round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * r})
-            for key in results:
-                for spec in order:
-                    if spec.name not in urls or key not in spec.workloads:
-                        continue
-                    t0 = time.monotonic()
-                    _signal_group(spec, signal.SIGCONT)
-                    try:
-                        wait_for_server(urls[spec.name], 60.0)
-                        outcome = run_workload(key, urls[spec.name], tokenizer, round_args)
-                    except BenchError as exc:  # it did not answer /health after resuming
-                        outcome = {"error": str(exc)}
-                    finally:
-                        _signal_group(spec, signal.SIGSTOP)
-                    per_round[key].setdefault(spec.name, []).append(outcome)
-                    print(f"[{spec.name}] round {r + 1}/{args.rounds} workload {key} done in "
-                          f"{time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
+            with contextlib.ExitStack() as round_stack:
+                if how == "rotate":
+                    urls, errors = _start_servers(round_stack, start_order(specs, how, r), results, args, log_dir)
+                _run_round(r, specs, urls, errors if how == "rotate" else {}, per_round, tokenizer, args)
     for key, per_server in per_round.items():
         for name, rounds in per_server.items():
             results[key][name] = aggregate_rounds(rounds)
+
+
+def _run_round(
+    r: int,
+    specs: Sequence[ServerSpec],
+    urls: dict[str, str],
+    start_errors: dict[str, str],
+    per_round: dict[str, dict[str, list[dict[str, Any]]]],
+    tokenizer: BenchTokenizer,
+    args: argparse.Namespace,
+) -> None:
+    """Round r of run_interleaved: each workload on each (paused) server in turn. A server in start_errors
+    failed to start for this round alone (``rotate``): the round is recorded as failed for it."""
+    order = list(specs) if r % 2 == 0 else list(specs)[::-1]
+    # New prompts each round (the same for every server in it): a server with a prefix cache (vLLM's is on by
+    # default) would otherwise prefill a repeated prompt from its cache from round 2 on.
+    round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * r})
+    for key in per_round:
+        for spec in order:
+            if key not in spec.workloads:
+                continue
+            if spec.name not in urls:
+                if spec.name in start_errors:
+                    per_round[key].setdefault(spec.name, []).append({"error": start_errors[spec.name]})
+                continue
+            t0 = time.monotonic()
+            _signal_group(spec, signal.SIGCONT)
+            try:
+                wait_for_server(urls[spec.name], 60.0)
+                outcome = run_workload(key, urls[spec.name], tokenizer, round_args)
+            except BenchError as exc:  # it did not answer /health after resuming
+                outcome = {"error": str(exc)}
+            finally:
+                _signal_group(spec, signal.SIGSTOP)
+            per_round[key].setdefault(spec.name, []).append(outcome)
+            print(f"[{spec.name}] round {r + 1}/{args.rounds} workload {key} done in "
+                  f"{time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
 
 
 # -- results -------------------------------------------------------------------------------------------
@@ -556,8 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the workloads N times with every server up, interleaved (see above); medians")
-    p.add_argument("--start-order", choices=("listed", "reversed"), default="listed",
-                   help="--rounds: start the servers in the listed order or the reverse (see run_interleaved)")
+    p.add_argument("--start-order", choices=("listed", "reversed", "rotate"), default="listed",
+                   help="--rounds: start the servers once in the listed order or the reverse, or (rotate) anew "
+                   "each round, each server first in turn (see run_interleaved)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--result-file", default=None, help="default: bench-results/compare-<timestamp>.json")
     return p

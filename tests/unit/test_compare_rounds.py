@@ -131,3 +131,53 @@ def test_reversed_start_order_starts_the_last_listed_server_first(monkeypatch: p
         assert started == expected
         assert sorted(results["a"]) == ["nxd", "peer", "pf"]  # every server still ran each round
     assert compare.build_parser().parse_args(["--start-order", "reversed"]).start_order == "reversed"
+
+
+def test_rotate_starts_fresh_servers_each_round_each_first_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    events: list[tuple[str, str]] = []
+    fail = {("pf", 1)}  # pf fails to start in round 2 only
+    round_no = {"r": -1}
+
+    @contextlib.contextmanager
+    def fake_server(spec, log_dir, startup_timeout_s):  # type: ignore[no-untyped-def]
+        if (spec.name, round_no["r"]) in fail:
+            raise compare.BenchError("port in use")
+        events.append(("start", spec.name))
+        try:
+            yield f"http://{spec.name}-{round_no['r']}"
+        finally:
+            events.append(("stop", spec.name))
+
+    urls_seen: list[str] = []
+
+    def fake_run(self, url, tok, args):  # type: ignore[no-untyped-def]
+        urls_seen.append(url.removeprefix("http://"))
+        return {"output_throughput": 2.0}
+
+    real_start = compare._start_servers
+
+    def counting_start(stack, specs, results, args, log_dir):  # type: ignore[no-untyped-def]
+        round_no["r"] += 1
+        return real_start(stack, specs, results, args, log_dir)
+
+    monkeypatch.setattr(compare, "running_server", fake_server)
+    monkeypatch.setattr(compare, "_start_servers", counting_start)
+    monkeypatch.setattr(compare, "wait_for_server", lambda url, timeout_s: None)
+    monkeypatch.setattr(compare.Workload, "run", fake_run)
+    specs = [compare.ServerSpec(name, lambda port: [], ["a"]) for name in ("nxd", "pf", "peer")]
+    args = argparse.Namespace(rounds=3, seed=0, startup_timeout=1.0, start_order="rotate")
+    results: dict = {"a": {}}
+    compare.run_interleaved(specs, results, tokenizer=None, args=args, log_dir=Path("."))
+    starts = [name for kind, name in events if kind == "start"]
+    # Round 1 starts nxd, pf, peer; round 2 pf (fails), peer, nxd; round 3 peer, nxd, pf.
+    assert starts == ["nxd", "pf", "peer", "peer", "nxd", "peer", "nxd", "pf"]
+    # Every round's servers are stopped before the next round's start.
+    assert events[:6] == [("start", "nxd"), ("start", "pf"), ("start", "peer"),
+                          ("stop", "peer"), ("stop", "pf"), ("stop", "nxd")]  # fmt: skip
+    # Each round drives that round's servers (round 2 reverses the order and has no pf).
+    assert urls_seen == ["nxd-0", "pf-0", "peer-0", "peer-1", "nxd-1", "nxd-2", "pf-2", "peer-2"]
+    assert results["a"]["nxd"]["output_throughput"] == 2.0 and len(results["a"]["nxd"]["rounds"]) == 3
+    assert results["a"]["pf"]["error"].startswith("round 2 of 3: server failed to start")
+    assert compare.start_order(specs, "rotate", 4)[0].name == "pf"
