@@ -453,8 +453,10 @@ def run_interleaved(
             urls, errors = _start_servers(stack, start_order(specs, how, 0), results, args, log_dir)
         for r in range(args.rounds):
             with contextlib.ExitStack() as round_stack:
-                if how == "rotate":
-                    urls, errors = _start_servers(round_stack, start_order(specs, how, r), results, args, log_dir)
+                if how == "rotate":  # each round's servers log to their own folder
+                    round_logs = log_dir / f"round-{r + 1}"
+                    round_logs.mkdir(parents=True, exist_ok=True)
+                    urls, errors = _start_servers(round_stack, start_order(specs, how, r), results, args, round_logs)
                 _run_round(r, specs, urls, errors if how == "rotate" else {}, per_round, tokenizer, args)
     for key, per_server in per_round.items():
         for name, rounds in per_server.items():

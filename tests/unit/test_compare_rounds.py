@@ -133,7 +133,9 @@ def test_reversed_start_order_starts_the_last_listed_server_first(monkeypatch: p
     assert compare.build_parser().parse_args(["--start-order", "reversed"]).start_order == "reversed"
 
 
-def test_rotate_starts_fresh_servers_each_round_each_first_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rotate_starts_fresh_servers_each_round_each_first_in_turn(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import contextlib
 
     events: list[tuple[str, str]] = []
@@ -169,7 +171,8 @@ def test_rotate_starts_fresh_servers_each_round_each_first_in_turn(monkeypatch: 
     specs = [compare.ServerSpec(name, lambda port: [], ["a"]) for name in ("nxd", "pf", "peer")]
     args = argparse.Namespace(rounds=3, seed=0, startup_timeout=1.0, start_order="rotate")
     results: dict = {"a": {}}
-    compare.run_interleaved(specs, results, tokenizer=None, args=args, log_dir=Path("."))
+    compare.run_interleaved(specs, results, tokenizer=None, args=args, log_dir=tmp_path)
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["round-1", "round-2", "round-3"]  # logs kept per round
     starts = [name for kind, name in events if kind == "start"]
     # Round 1 starts nxd, pf, peer; round 2 pf (fails), peer, nxd; round 3 peer, nxd, pf.
     assert starts == ["nxd", "pf", "peer", "peer", "nxd", "peer", "nxd", "pf"]
