@@ -145,9 +145,7 @@ extern long syscall(long number, ...); /* unistd.h declares it only with _GNU_SO
 #define GM_AMX 1
 #define GM_AMX_ROWS 16
 #define GM_AMX_K 32 /* bf16 values of k per tile step (16 pairs) */
-#ifndef GM_AMX_KC
 #define GM_AMX_KC 8 /* tile steps per K chunk in gm_panel_amx: 8 x 3 KB of the panel */
-#endif
 static int gm_amx_on = -1; /* -1: not asked yet; set by gemm_amx() before any GEMM runs */
 
 typedef struct {
