@@ -36,6 +36,15 @@ CUSTOM_CONFIGS = {
         "num_key_value_heads": 1,
         "head_dim": 64,
     },
+    # An intermediate size whose down projection takes 64 rows a row block: a 200-token forward runs it in
+    # four blocks, each with its own panel runs for work stealing.
+    "wide-mlp": {
+        "hidden_size": 192,
+        "intermediate_size": 2048,
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+    },
 }
 
 
@@ -236,9 +245,18 @@ def test_whole_long_prompt_runs_fused_as_close_to_fp32_as_the_layer_path(
 
 
 @needs_fused
-@pytest.mark.parametrize("family", ["odd", "d64-g3"])
+@pytest.mark.parametrize(
+    ("family", "lens"),
+    [
+        # Decodes, a verification row and a 40-token chunk: 45 tokens, inside one row block of every projection.
+        ("odd", [1, 3, 1, 40]),
+        ("d64-g3", [1, 3, 1, 40]),
+        # Five 40-token chunks, 200 tokens: the down projection in four row blocks, the others in one.
+        ("wide-mlp", [40, 40, 40, 40, 40]),
+    ],
+)
 def test_fused_forward_gives_the_same_bits_on_any_thread_count(
-    family: str, custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    family: str, lens: list[int], custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Threads share each projection's panels by work stealing, and a panel's output does not depend on who
     computes it. More threads than cores (5 on the 2-core CI machine) get descheduled mid-GEMM, so the others
@@ -247,9 +265,10 @@ def test_fused_forward_gives_the_same_bits_on_any_thread_count(
     monkeypatch.setattr(fused_decode, "enabled", True)
     model = LlamaFamilyModel.from_pretrained(path, torch.bfloat16, torch.device("cpu"), max_len=MAX_LEN)
     gen = torch.Generator().manual_seed(5)
-    # Decodes, a verification row and a 40-token chunk: 45 tokens, inside one row block of every projection.
-    tokens = torch.randint(0, model.vocab_size, (45,), generator=gen)
-    meta = _meta(model, [0, 1, 2, 3], [PROMPT_LEN, PROMPT_LEN, PROMPT_LEN, 0], [1, 3, 1, 40])
+    tokens = torch.randint(0, model.vocab_size, (sum(lens),), generator=gen)
+    slots = list(range(len(lens)))
+    starts = [0 if n > 3 else PROMPT_LEN for n in lens]
+    meta = _meta(model, slots, starts, lens)
     lib = cpu_kernels._library()
     assert lib is not None
     before = torch.get_num_threads()
@@ -258,7 +277,7 @@ def test_fused_forward_gives_the_same_bits_on_any_thread_count(
         for threads, stealing in ((1, 1), (2, 1), (3, 1), (5, 1), (5, 1), (5, 1), (2, 0), (5, 0)):
             torch.set_num_threads(threads)
             lib.gemm_set_work_stealing(stealing)
-            cache = model.new_kv_cache(4, MAX_LEN)
+            cache = model.new_kv_cache(len(lens), MAX_LEN)
             cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(9)))
             with torch.inference_mode():
                 assert model.fused_decode.accepts(tokens, meta, cache)

@@ -47,7 +47,7 @@ def test_gemm_matches_fp32_matmul_to_bf16_rounding(m: int, n: int, k: int) -> No
 
 
 @needs_gemm
-@pytest.mark.parametrize(("m", "k"), [(40, 320), (300, 1536)])  # panels stolen between threads; a static split
+@pytest.mark.parametrize(("m", "k"), [(40, 320), (300, 1536)])  # one row block; several, each stolen in turn
 def test_gemm_result_does_not_depend_on_thread_count(m: int, k: int) -> None:
     """More threads than cores (7 on the 2-core CI machine) get descheduled mid-GEMM, so the others steal
     their panels: every panel must still be computed exactly once, with the same bits."""

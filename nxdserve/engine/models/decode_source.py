@@ -567,19 +567,23 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     const int prune = keep != NULL && A == 0 && K < T && L > 0;
     const int64_t per_thread = decode_forward_scratch(G, maxctx);
     int nt = nthreads < 1 ? 1 : nthreads;
-    /* Panel runs for work stealing (gm_panels_steal): 4 GEMMs per layer x nt threads, set up here so that no
-       thread needs a barrier to reset them. A GEMM whose x exceeds one row block splits statically. */
+    /* Panel runs for work stealing (gm_panels_steal): 4 GEMMs per layer x their row blocks x nt threads, set up
+       here so that no thread needs a barrier to reset them. A pruned last layer's GEMMs use the first blocks. */
     const int64_t gk[4] = {H, NH * D, H, I}, gn[4] = {QKV, H, 2 * I, H};
-    int steal[4], any_steal = 0;
-    for (int j = 0; j < 4; j++) any_steal |= steal[j] = nt > 1 && gm_stealable(T, gk[j]);
-    gm_run* runs = any_steal ? (gm_run*)aligned_alloc(64, sizeof(gm_run) * 4 * L * nt) : NULL;
+    int64_t run_at[4], per_layer = 0;
+    for (int j = 0; j < 4; j++) {
+        run_at[j] = per_layer;
+        per_layer += gm_blocks(T, gk[j]) * nt;
+    }
+    gm_run* runs = nt > 1 && gm_stealing ? (gm_run*)aligned_alloc(64, sizeof(gm_run) * L * per_layer) : NULL;
     /* Attention item counters, one per layer on its own cache line, zeroed here: no barrier resets them. */
     const int64_t nitems = nblk * NKV;
     df_claim claims[L > 0 ? L : 1];
     memset(claims, 0, sizeof(df_claim) * (L > 0 ? L : 1));
     if (runs)
         for (int64_t l = 0; l < L; l++)
-            for (int j = 0; j < 4; j++) gm_runs_init(runs + (l * 4 + j) * nt, (gn[j] + GM_NR - 1) / GM_NR, nt);
+            for (int j = 0; j < 4; j++)
+                gm_runs_init(runs + l * per_layer + run_at[j], T, gk[j], (gn[j] + GM_NR - 1) / GM_NR, nt);
     _Pragma("omp parallel num_threads(nt)")
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -593,7 +597,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             const uint16_t *in_norm = p[0], *qkv_w = p[1], *qkv_b = p[2], *o_w = p[3], *o_b = p[4];
             const uint16_t *post_norm = p[5], *gu_w = p[6], *gu_b = p[7], *dn_w = p[8], *dn_b = p[9];
             uint16_t *kc = (uint16_t*)p[10], *vc = (uint16_t*)p[11];
-            for (int j = 0; j < 4; j++) lr[j] = runs && steal[j] ? runs + (l * 4 + j) * nt : NULL;
+            for (int j = 0; j < 4; j++) lr[j] = runs ? runs + l * per_layer + run_at[j] : NULL;
             const int last = prune && l == L - 1;
             const int blocks = D == 64 && G <= 4 && windows[l] <= 0; /* df_block64's shapes */
             /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */

@@ -332,15 +332,27 @@ static inline void gm_share(int64_t P, int tid, int nt, int64_t* p0, int64_t* p1
    waits at the next barrier for the whole time slice. Here each thread owns a static run of panels, which it
    takes from the front, one panel per claim, so its weight stream stays sequential and prefetched; a thread
    whose run is done takes the other runs' panels from their back ends. A run is one 64-bit word, next << 32
-   | end, on its own cache line, claimed by compare-and-swap (uncontended until the end of a GEMM). */
+   | end, on its own cache line, claimed by compare-and-swap (uncontended until the end of a GEMM).
+   An x of several row blocks (a prefill) has a set of runs per row block, taken block after block: the
+   same static runs as a static split would give, so a thread's panels stay in its L2 from one block to the
+   next unless they are stolen, and no block waits for another. */
 typedef struct { uint64_t run; char pad[56]; } gm_run;
 
-static inline void gm_runs_init(gm_run* runs, int64_t P, int nt) {
-    for (int t = 0; t < nt; t++) {
-        int64_t p0, p1;
-        gm_share(P, t, nt, &p0, &p1);
-        runs[t].run = ((uint64_t)p0 << 32) | (uint64_t)p1;
-    }
+/* Row blocks of an x of M rows (at least one: the runs of an empty x are set up and find nothing). */
+static inline int64_t gm_blocks(int64_t M, int64_t K) {
+    const int64_t mb = gm_row_block(K);
+    return M <= mb ? 1 : (M + mb - 1) / mb;
+}
+
+/* Runs for every row block of x (M rows) against P panels: runs[b * nt + t] is thread t's in block b. */
+static inline void gm_runs_init(gm_run* runs, int64_t M, int64_t K, int64_t P, int nt) {
+    const int64_t nb = gm_blocks(M, K);
+    for (int64_t b = 0; b < nb; b++)
+        for (int t = 0; t < nt; t++) {
+            int64_t p0, p1;
+            gm_share(P, t, nt, &p0, &p1);
+            runs[b * nt + t].run = ((uint64_t)p0 << 32) | (uint64_t)p1;
+        }
 }
 
 static inline int gm_claim(gm_run* r, int back, int64_t* p, int64_t* end) {
@@ -361,41 +373,45 @@ static inline int gm_claim(gm_run* r, int back, int64_t* p, int64_t* end) {
 static int gm_stealing = 1;
 void gemm_set_work_stealing(int on) { gm_stealing = on; }
 
-/* Whether x (M, K) is small enough for one row block, so that panels can go one at a time to any thread. */
-static inline int gm_stealable(int64_t M, int64_t K) { return gm_stealing && M <= gm_row_block(K); }
-
-/* Thread tid's part of x (M rows, gm_stealable) @ w^T with runs[0..nt) set by gm_runs_init for w's panels. */
+/* Thread tid's part of x (M rows) @ w^T with runs set by gm_runs_init for x's row blocks and w's panels. */
 static void gm_panels_steal(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp,
                             gm_run* runs, int tid, int nt, const uint16_t* bias, const uint16_t* res, int64_t rs,
                             int64_t N, uint16_t* out, int64_t os) {
-    const int64_t panel = ((K + 1) / 2) * 2 * GM_NR;
+    const int64_t panel = ((K + 1) / 2) * 2 * GM_NR, mb = gm_row_block(K);
     int64_t p, end;
 #ifdef GM_AMX
     if (gm_use_amx(K)) {
         gm_amx_config();
         const uint16_t* tail = gm_amx_tail(x, M, K, xs);
-        while (gm_claim(&runs[tid], 0, &p, &end)) {
-            const uint16_t* w = wp + p * panel;
-            gm_panel_amx(x, 0, M, K, xs, tail, w, p + 1 < end ? w + panel : NULL, p, bias, res, rs, N, out, os);
+        for (int64_t b0 = 0; b0 < M; b0 += mb, runs += nt) {
+            const int64_t b1 = b0 + mb < M ? b0 + mb : M;
+            while (gm_claim(&runs[tid], 0, &p, &end)) {
+                const uint16_t* w = wp + p * panel;
+                gm_panel_amx(x, b0, b1, K, xs, tail, w, p + 1 < end ? w + panel : NULL, p, bias, res, rs, N, out,
+                             os);
+            }
+            for (int u = 1; u < nt; u++)
+                while (gm_claim(&runs[(tid + u) % nt], 1, &p, &end))
+                    gm_panel_amx(x, b0, b1, K, xs, tail, wp + p * panel, NULL, p, bias, res, rs, N, out, os);
         }
-        for (int u = 1; u < nt; u++)
-            while (gm_claim(&runs[(tid + u) % nt], 1, &p, &end))
-                gm_panel_amx(x, 0, M, K, xs, tail, wp + p * panel, NULL, p, bias, res, rs, N, out, os);
         return;
     }
 #endif
-    while (gm_claim(&runs[tid], 0, &p, &end)) {
-        const uint16_t* w = wp + p * panel;
-        gm_panel(x, 0, M, K, xs, w, p + 1 < end ? w + panel : NULL, p, bias, res, rs, N, out, os);
+    for (int64_t b0 = 0; b0 < M; b0 += mb, runs += nt) {
+        const int64_t b1 = b0 + mb < M ? b0 + mb : M;
+        while (gm_claim(&runs[tid], 0, &p, &end)) {
+            const uint16_t* w = wp + p * panel;
+            gm_panel(x, b0, b1, K, xs, w, p + 1 < end ? w + panel : NULL, p, bias, res, rs, N, out, os);
+        }
+        for (int u = 1; u < nt; u++)
+            while (gm_claim(&runs[(tid + u) % nt], 1, &p, &end))
+                gm_panel(x, b0, b1, K, xs, wp + p * panel, NULL, p, bias, res, rs, N, out, os);
     }
-    for (int u = 1; u < nt; u++)
-        while (gm_claim(&runs[(tid + u) % nt], 1, &p, &end))
-            gm_panel(x, 0, M, K, xs, wp + p * panel, NULL, p, bias, res, rs, N, out, os);
 }
 
 /* out (M, N) = bf16(x (M, K) @ w^T + bias) [+ res, rounded again], w packed by panels (``gemm.pack``):
    panel p holds columns 48p..48p+47 as [ceil(K/2)][48][2] bf16 pairs, zero-padded. Each thread takes
-   a run of whole panels (and, for up to a row block of x, steals from the others' runs when done). out
+   a run of whole panels in each row block of x (and steals from the others' runs when done). out
    may be res (an in-place residual add). */
 void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, const uint16_t* bias,
                const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os, int nthreads) {
@@ -403,9 +419,9 @@ void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16
     int nt = nthreads < 1 ? 1 : nthreads;
     if (nt > P) nt = (int)P;
     gm_run* runs = NULL;
-    if (nt > 1 && gm_stealable(M, K)) {
-        runs = (gm_run*)aligned_alloc(64, sizeof(gm_run) * nt);
-        if (runs) gm_runs_init(runs, P, nt);
+    if (nt > 1 && gm_stealing) {
+        runs = (gm_run*)aligned_alloc(64, sizeof(gm_run) * nt * gm_blocks(M, K));
+        if (runs) gm_runs_init(runs, M, K, P, nt);
     }
     _Pragma("omp parallel num_threads(nt)")
     {
