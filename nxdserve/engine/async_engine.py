@@ -112,6 +112,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         # Load in the model thread: heavy, and some backends bind state to the thread that loads them.
         self.core, files = await loop.run_in_executor(self._executor, build_engine_core, self.config)
+        await loop.run_in_executor(self._executor, self.core.backend.own_thread)
         self.model_path = str(files.path)
         self.tokenizer = files.tokenizer
         self.generation_defaults = files.generation_defaults

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -232,3 +233,21 @@ async def test_the_next_step_is_scheduled_before_detokenizing_unless_a_stop_stri
     assert stop_after_update and set(stop_after_update) == {"emit"}, stop_calls
     assert stop_text == text[: text.index(stop)]
     assert engine.stats().num_running == 0
+
+
+async def test_the_model_thread_is_bound_to_a_cpu_and_the_event_loop_is_not(engine: AsyncEngine) -> None:
+    """The engine owns its model thread, so the torch backend binds it (and its OpenMP team) to CPUs while
+    it runs on every CPU's thread; the caller's threads are never bound."""
+    import torch
+
+    cpus = sorted(os.sched_getaffinity(0))
+    loop = asyncio.get_running_loop()
+    threads, model_cpus = await loop.run_in_executor(
+        engine._executor, lambda: (torch.get_num_threads(), os.sched_getaffinity(0))
+    )
+    if 1 < threads <= len(cpus):
+        assert model_cpus == {cpus[0]}
+    else:
+        assert model_cpus == set(cpus)
+    await engine.shutdown()
+    assert os.sched_getaffinity(0) == set(cpus)

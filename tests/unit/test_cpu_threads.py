@@ -1,8 +1,19 @@
-"""ThreadGovernor: all threads while they run together, one while another process holds a core."""
+"""ThreadGovernor: all threads while they run together, one while another process holds a core.
+ThreadBinding: a CPU for each forward thread, only on a thread the engine owns."""
 
 from __future__ import annotations
 
-from nxdserve.engine.models.cpu_threads import ThreadGovernor
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nxdserve.engine.models import cpu_kernels
+from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
 
 
 class Fake:
@@ -82,3 +93,62 @@ def test_short_steps_and_single_thread_configs_are_ignored() -> None:
     assert gov.threads == 2
     single = ThreadGovernor(1, clock=fake.clock, idle_reader=fake.read)
     assert not single.active and single.step_threads() == 1
+
+
+CPUS = sorted(os.sched_getaffinity(0))
+needs_two_cpus = pytest.mark.skipif(
+    len(CPUS) < 2 or cpu_kernels._library() is None, reason="binding needs two CPUs and the C kernels"
+)
+
+
+def _in_new_thread(fn: Callable[[], Any]) -> Any:
+    """Run fn in a fresh thread (its own OpenMP team, and an affinity nobody else shares)."""
+    box: list[Any] = []
+    worker = threading.Thread(target=lambda: box.append(fn()))
+    worker.start()
+    worker.join()
+    return box[0]
+
+
+def _tasks_bound_to(cpu: int) -> int:
+    """Threads of this process allowed on ``cpu`` alone."""
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        status = (task / "status").read_text()
+        allowed = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+        count += allowed == str(cpu)
+    return count
+
+
+@needs_two_cpus
+def test_an_owned_forward_thread_and_its_team_get_a_cpu_each_and_one_thread_runs_anywhere() -> None:
+    def run() -> tuple[set[int], int, set[int]]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            binding = ThreadBinding(CPUS[:2])
+            binding.enabled = True
+            others = _tasks_bound_to(CPUS[1])
+            binding.apply(2)
+            bound, helpers = os.sched_getaffinity(0), _tasks_bound_to(CPUS[1]) - others
+            binding.apply(1)  # the governor's single thread: free again
+            return bound, helpers, os.sched_getaffinity(0)
+        finally:
+            torch.set_num_threads(before)
+
+    bound, helpers, freed = _in_new_thread(run)
+    assert bound == {CPUS[0]} and helpers == 1 and freed == set(CPUS[:2])
+
+
+@needs_two_cpus
+def test_binding_stays_off_unless_the_thread_is_owned_or_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(enable: bool) -> set[int]:
+        binding = ThreadBinding(CPUS)
+        binding.enabled = enable
+        binding.apply(len(CPUS))
+        return os.sched_getaffinity(0)
+
+    assert _in_new_thread(lambda: run(False)) == set(CPUS)
+    monkeypatch.setenv("NXDSERVE_BIND_THREADS", "0")
+    assert _in_new_thread(lambda: run(True)) == set(CPUS)
+    assert not ThreadBinding(CPUS).allowed and not ThreadBinding([0]).enabled

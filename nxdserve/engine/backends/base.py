@@ -126,5 +126,9 @@ class Backend(abc.ABC):
     def validate_request(self, params: SamplingParams) -> None:  # noqa: B027 - optional hook
         """Raise InvalidRequestError for parameters this backend cannot honour (checked at admission)."""
 
+    def own_thread(self) -> None:  # noqa: B027 - optional hook
+        """Called in the worker thread when the engine owns it (the async engine's model thread, which runs
+        nothing else): the backend may bind it and its helpers to CPUs."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release device resources."""

@@ -32,7 +32,7 @@ from nxdserve.engine.backends.base import (
 )
 from nxdserve.engine.models import SlotModelRunner, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
-from nxdserve.engine.models.cpu_threads import ThreadGovernor
+from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.sampler import accept_greedy
 from nxdserve.errors import ConfigError
@@ -76,6 +76,7 @@ class TorchBackend(Backend):
         governed = self.device.type == "cpu" and os.environ.get("NXDSERVE_THREAD_GOVERNOR", "1") != "0"
         self.thread_governor = ThreadGovernor(threads if governed else 1)
         self._max_threads = threads
+        self.thread_binding = ThreadBinding([] if self.device.type != "cpu" else None)
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
         self.runner = SlotModelRunner.from_pretrained(
@@ -130,6 +131,12 @@ class TorchBackend(Backend):
 
     def shutdown(self) -> None:
         self._batch = None
+        self.thread_binding.enabled = False
+        self.thread_binding.apply(torch.get_num_threads())
+
+    def own_thread(self) -> None:
+        self.thread_binding.enabled = True
+        self.thread_binding.apply(torch.get_num_threads())
 
     # -- one step ------------------------------------------------------------------------------------
 
@@ -154,6 +161,7 @@ class TorchBackend(Backend):
         threads = governor.step_threads() if governor.active else self._max_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        self.thread_binding.apply(threads)
         cpu0 = time.thread_time()
         limit = max(DEFAULT_BATCHED_QUERY_LIMIT, rows.width)  # verification rows share the batched SDPA
         verify_index, verify_valid = rows.verification_positions()

@@ -43,10 +43,32 @@ MAX_HEAD_DIM = 256
 
 _SOURCE = (
     r"""
+#define _GNU_SOURCE /* sched_setaffinity */
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <omp.h>
+
+/* Thread t of the calling thread's n-thread OpenMP team (the caller is t = 0) on CPU cpus[t % ncpus] alone
+   (bind = 1), or every thread of the team free to run on any of cpus (bind = 0). Returns how many threads
+   were set. */
+int omp_bind_team(int n, const int* cpus, int ncpus, int bind) {
+    int done = 0;
+    _Pragma("omp parallel num_threads(n) reduction(+ : done)")
+    {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (bind) {
+            CPU_SET(cpus[omp_get_thread_num() % ncpus], &set);
+        } else {
+            for (int i = 0; i < ncpus; i++) CPU_SET(cpus[i], &set);
+        }
+        done += sched_setaffinity(0, sizeof(set), &set) == 0;
+    }
+    return done;
+}
 
 #define MAXG 16
 #define MAXD 256
@@ -427,6 +449,8 @@ def _library() -> ctypes.CDLL | None:
             lib.gemm_bf16.restype = None
             lib.gemm_set_work_stealing.argtypes = [_int]
             lib.gemm_set_work_stealing.restype = None
+        lib.omp_bind_team.argtypes = [_int, _ptr, _int, _int]
+        lib.omp_bind_team.restype = _int
         lib.gemm_amx.restype = _int
         lib.gemm_set_amx.argtypes = [_int]
         lib.gemm_set_amx.restype = _int

@@ -17,6 +17,7 @@ the governor watches each step:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -116,3 +117,45 @@ class ThreadGovernor:
         self._idle_mark = None
         self._idle_mark_time = 0.0
         self.switches += 1
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return []
+
+
+class ThreadBinding:
+    """One CPU for each intra-op thread of the forward, while a step runs on as many threads as the process
+    has CPUs; a single thread (the governor's choice when another process holds a core) runs anywhere. Off
+    until ``enabled`` is set by whoever owns the forward's thread (the async engine's model thread): a caller
+    running the engine on its own thread keeps that thread unbound, and the threads it starts later too.
+
+    Why: the server's event loop and a local client share the cores with the forward. Each time one of them
+    wakes, the scheduler moved a forward thread to the other core, and the thread then ran with that core's
+    cold L1/L2 (its panels of the weights, the AMX tile state). Bound, a forward thread waits on its own core
+    instead. Measured served on a 2-core VM, three interleaved rounds: workload a 636-774 vs 549-600 tok/s,
+    the single stream 55-58 vs 48-52 tok/s (the whole process bound with ``OMP_PROC_BIND``; this binds the
+    forward's threads only, so the event loop and the tokenizer's threads keep both cores).
+    ``NXDSERVE_BIND_THREADS=0`` turns it off; with fewer CPUs than threads it stays off."""
+
+    def __init__(self, cpus: list[int] | None = None) -> None:
+        self.cpus = _allowed_cpus() if cpus is None else list(cpus)
+        self.allowed = os.environ.get("NXDSERVE_BIND_THREADS", "1") != "0" and len(self.cpus) > 1
+        self.enabled = False
+        self.bound = 0  # threads bound now (0: none)
+
+    def apply(self, threads: int) -> None:
+        """Called from the thread that runs the forward (the OpenMP team's master) with its thread count."""
+        want = threads if self.enabled and self.allowed and 1 < threads <= len(self.cpus) else 0
+        if want == self.bound:
+            return
+        from nxdserve.engine.models import cpu_kernels
+
+        lib = cpu_kernels._library()
+        if lib is None:
+            return
+        cpus = (ctypes.c_int * len(self.cpus))(*self.cpus)
+        lib.omp_bind_team(max(threads, 1), cpus, len(self.cpus), 1 if want else 0)
+        self.bound = want
