@@ -132,12 +132,13 @@ class ThreadBinding:
     until ``enabled`` is set by whoever owns the forward's thread (the async engine's model thread): a caller
     running the engine on its own thread keeps that thread unbound, and the threads it starts later too.
 
-    Why: the server's event loop and a local client share the cores with the forward. Each time one of them
-    wakes, the scheduler moved a forward thread to the other core, and the thread then ran with that core's
-    cold L1/L2 (its panels of the weights, the AMX tile state). Bound, a forward thread waits on its own core
-    instead. Measured served on a 2-core VM, three interleaved rounds: workload a 636-774 vs 549-600 tok/s,
-    the single stream 55-58 vs 48-52 tok/s (the whole process bound with ``OMP_PROC_BIND``; this binds the
-    forward's threads only, so the event loop and the tokenizer's threads keep both cores).
+    Why: a process that takes part of a core (a load generator on the same machine, an agent) preempts one
+    forward thread now and then; unbound, the scheduler also moves the forward threads between the cores,
+    and a moved thread runs on with the other core's cold L1/L2 (its panels of the weights), the likely
+    reason for what was measured: served on a 2-core VM with a process burning 1 ms of every 5, three
+    interleaved rounds, workload a 594-650 vs 530-605 tok/s and the single stream 48-55 vs 41-45 tok/s;
+    with nothing else running, no difference beyond the rounds' spread. (Binding the whole process with
+    ``OMP_PROC_BIND`` measured the same, but binds the event loop and every thread started after it too.)
     ``NXDSERVE_BIND_THREADS=0`` turns it off; with fewer CPUs than threads it stays off."""
 
     def __init__(self, cpus: list[int] | None = None) -> None:
