@@ -3,7 +3,9 @@
 A model reads every weight from DRAM once per step, so each shape cycles over 30 packed copies (3 for the LM
 head) and the time is per call. ``--against OTHER.so`` interleaves another build of the kernel library (e.g.
 the cached one from before a change: ``~/.cache/nxdserve/kernels/slot_attention-<hash>.so``) and prints the
-time ratio new / other, medians of ``--repeats`` interleaved rounds. Prints a table, writes JSON.
+time ratio new / other, medians of ``--repeats`` interleaved rounds. On AMX machines the same copies are also
+timed compressed (``gemm.compress``, read by this build) and the ratio compressed / plain is printed.
+Prints a table, writes JSON.
 
     .venv/bin/python benchmarks/gemm_bench.py [--rows 1,8,32,96] [--against OLD.so] [--threads 2]
 """
@@ -32,19 +34,20 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 def _load(path: str) -> Any:
     lib = ctypes.CDLL(path)
-    lib.gemm_bf16.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int]
+    lib.gemm_bf16.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int]
     lib.gemm_bf16.restype = None
     if hasattr(lib, "gemm_amx"):  # as cpu_kernels does for its own build: without it AMX stays off
         lib.gemm_amx()
     return lib
 
 
-def _time_per_call(lib: Any, x: torch.Tensor, copies: list[torch.Tensor], n: int, out: torch.Tensor,
-                   threads: int) -> float:
+def _time_per_call(lib: Any, x: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor | None]], n: int,
+                   out: torch.Tensor, threads: int) -> float:
     m, k = x.shape
     t0 = time.perf_counter()
-    for w in copies:
-        lib.gemm_bf16(x.data_ptr(), m, k, k, w.data_ptr(), None, None, 0, n, out.data_ptr(), n, threads)
+    for w, blob in copies:
+        cw = None if blob is None else blob.data_ptr()
+        lib.gemm_bf16(x.data_ptr(), m, k, k, w.data_ptr(), cw, None, None, 0, n, out.data_ptr(), n, threads)
     return (time.perf_counter() - t0) / len(copies) * 1e6
 
 
@@ -63,10 +66,16 @@ def main() -> None:
     if args.against:
         libs["other"] = _load(args.against)
     gen = torch.Generator().manual_seed(0)
+    compressed = gemm.uses_amx()  # only the tiles read compressed panels
+    if compressed:
+        libs["compressed"] = libs["this"]
     copies: dict[str, list[torch.Tensor]] = {}
+    blobs: dict[str, list[torch.Tensor | None]] = {}
     for name, (n, k) in SHAPES.items():
         count = 3 if name == "lm_head" else 30  # the LM head alone is 56 MB: 3 copies are cold already
-        copies[name] = [gemm.pack((torch.randn(n, k, generator=gen) * 0.05).bfloat16()) for _ in range(count)]
+        weights = [(torch.randn(n, k, generator=gen) * 0.05).bfloat16() for _ in range(count)]
+        copies[name] = [gemm.pack(w) for w in weights]
+        blobs[name] = [gemm.compress(w) if compressed else None for w in weights]
     rows: list[dict[str, Any]] = []
     for m in (int(v) for v in args.rows.split(",")):
         for name, (n, k) in SHAPES.items():
@@ -76,17 +85,26 @@ def main() -> None:
             order = list(libs)
             for rep in range(args.repeats):
                 for key in order if rep % 2 == 0 else order[::-1]:
-                    times[key].append(_time_per_call(libs[key], x, copies[name], n, out, args.threads))
+                    used = blobs[name] if key == "compressed" else [None] * len(blobs[name])
+                    pairs = list(zip(copies[name], used, strict=True))
+                    times[key].append(_time_per_call(libs[key], x, pairs, n, out, args.threads))
             med = {key: statistics.median(v) for key, v in times.items()}
             row = {"rows": m, "shape": name, "us": med["this"], "gflops": 2 * m * n * k / med["this"] / 1e3}
+            if "compressed" in med:
+                row["compressed_us"] = med["compressed"]
+                row["compressed_ratio"] = med["compressed"] / med["this"]
             if "other" in med:
                 row["other_us"] = med["other"]
                 row["ratio"] = med["this"] / med["other"]
             rows.append(row)
     header = f"{'M':>5} {'shape':>8} {'us':>9} {'GFLOP/s':>8}"
+    if compressed:
+        header += f" {'cw us':>9} {'cw/plain':>8}"
     print(header + (f" {'other us':>9} {'ratio':>6}" if args.against else ""))
     for r in rows:
         line = f"{r['rows']:>5} {r['shape']:>8} {r['us']:>9.1f} {r['gflops']:>8.1f}"
+        if "compressed_us" in r:
+            line += f" {r['compressed_us']:>9.1f} {r['compressed_ratio']:>8.2f}"
         if "ratio" in r:
             line += f" {r['other_us']:>9.1f} {r['ratio']:>6.2f}"
         print(line)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nxdserve.engine.models import cpu_kernels, fused_decode
+from nxdserve.engine.models import cpu_kernels, fused_decode, gemm
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from tests.helpers.tiny_model import _llama, single_torch_thread, tiny_model_path
@@ -408,3 +408,17 @@ def test_pruned_last_layer_gives_the_kept_tokens_the_bits_of_the_full_forward(
                 model(tokens, _meta(model, *rows), _prefilled(model, prompts), keep=torch.tensor([4, 3]))
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_fused
+@pytest.mark.skipif(not gemm.uses_amx(), reason="only the AMX tiles read compressed weights")
+@pytest.mark.parametrize("family", ["d64-g3", "wide-mlp"])
+def test_compressed_weights_give_the_fused_forward_the_same_bits(
+    family: str, custom_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outputs = []
+    for compression in (False, True):
+        monkeypatch.setattr(gemm, "compression", compression)
+        outputs.append(_step(custom_model_paths[family], True, torch.bfloat16, monkeypatch))
+    for plain, compressed in zip(*outputs, strict=True):
+        assert torch.equal(plain, compressed)

@@ -157,3 +157,85 @@ def test_amx_can_be_switched_off_for_the_avx512_tile() -> None:
     assert (tiles_order[0, 0].item(), avx_order[0, 0].item()) == (2.0, 0.0)
     # Both sum exact products in fp32 (in another order): at most a bf16 rounding step apart.
     torch.testing.assert_close(tiles.float(), avx.float(), rtol=2**-7, atol=1e-3)
+
+
+def _awkward_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight whose words the compressed copy cannot all code: zeros of both signs, subnormals, huge and
+    tiny magnitudes, next to ordinary Gaussian values."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    flat = w.view(-1)
+    picks = torch.randperm(flat.numel(), generator=gen)[:60]
+    specials = torch.tensor([0.0, -0.0, 1e-39, -3e-40, 1e-30, 300.0, -2.0**20, 5e-3])
+    flat[picks] = specials.repeat(8)[:60]
+    return w.bfloat16()
+
+
+def _patch_count(blob: torch.Tensor, panels: int) -> int:
+    at_offset = int(blob[16:24].view(torch.int64))
+    return int(blob[at_offset : at_offset + 4 * (panels + 1)].view(torch.int32)[-1])
+
+
+def _decode(blob: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The compressed copy's words, decoded here as the format says (``gemm_source``, "Compressed panels")."""
+    panels, steps = -(-n // gemm.PANEL), k // 32
+    table = blob[:16].to(torch.int32)
+    at_offset, pos_offset, val_offset = (int(v) for v in blob[16:40].view(torch.int64))
+    data = blob[gemm.CW_HEADER : gemm.CW_HEADER + panels * steps * 2304].view(panels, steps, 2304)
+    low = data[..., :1536].reshape(panels, steps, 12, 2, 64).to(torch.int32)
+    code_bytes = data[..., 1536:].reshape(panels, steps, 12, 64).to(torch.int32)
+    codes = torch.stack((code_bytes & 15, code_bytes >> 4), dim=3)
+    by_byte = low | (table[codes] << 8)
+    words = torch.empty_like(by_byte)
+    words[..., gemm._cw_byte_order()] = by_byte  # byte b holds word order[b]
+    words = words.reshape(panels, -1)
+    at = blob[at_offset : at_offset + 4 * (panels + 1)].view(torch.int32)
+    total = int(at[-1])
+    pos = blob[pos_offset : pos_offset + 4 * total].view(torch.int32).long()
+    val = blob[val_offset : val_offset + 2 * total].view(torch.int16).to(torch.int32) & 0xFFFF
+    for p in range(panels):
+        lo, hi = int(at[p]), int(at[p + 1])
+        words[p, pos[lo:hi]] = val[lo:hi]
+    return words
+
+
+@needs_gemm
+@pytest.mark.parametrize(("n", "k"), [(100, 64), (960, 576)])
+def test_compressed_copy_decodes_to_the_packed_words(n: int, k: int) -> None:
+    weight = _awkward_weight(n, k, seed=n)
+    with torch.inference_mode():
+        blob = gemm.compress(weight)
+        plain = gemm.pack(weight).view(torch.int16).reshape(-(-n // gemm.PANEL), -1).to(torch.int32) & 0xFFFF
+    assert blob is not None and blob.dtype == torch.uint8
+    patches = _patch_count(blob, plain.shape[0])
+    assert patches > 0  # some of the subnormals and extremes above
+    # 12 bits a word, 6 bytes a patch, the header, the panels' patch index and alignment
+    assert blob.numel() <= 1.5 * plain.numel() + 6 * patches + 4 * (plain.shape[0] + 1) + 4 * 64
+    assert torch.equal(_decode(blob, n, k), plain)
+    assert gemm.compress(weight[:, :40].contiguous()) is None  # K not a multiple of 32: no compressed copy
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 960, 576),  # a decode step: one row tile, a step decoded at a time
+        (40, 480, 576),  # three row tiles share each decoded chunk
+        (17, 200, 1536),
+        (200, 96, 1536),  # several row blocks
+    ],
+)
+def test_gemm_on_compressed_panels_gives_the_plain_panels_bits(
+    m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, _, b, r = _data(m, n, k, seed=m)
+    weight = _awkward_weight(n, k, seed=m + 1)
+    with torch.inference_mode():
+        monkeypatch.setattr(gemm, "compression", False)
+        plain = gemm.matmul(x, weight, b, r)
+        monkeypatch.setattr(gemm, "compression", True)
+        blob = gemm.compressed(weight)
+        compressed = gemm.matmul(x, weight, b, r)
+    assert blob is not None and _patch_count(blob, -(-n // gemm.PANEL)) > 0
+    assert plain is not None and compressed is not None
+    assert torch.equal(compressed, plain)

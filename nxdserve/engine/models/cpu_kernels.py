@@ -444,8 +444,9 @@ def _library() -> ctypes.CDLL | None:
             lib.greedy_head_argmax.restype = _i64
         lib.gemm_available.restype = _int
         if lib.gemm_available():
-            # x, M, K, x row stride, packed w, bias, residual, residual row stride, N, out, out row stride, threads
-            lib.gemm_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int]
+            # x, M, K, x row stride, packed w, compressed w, bias, residual, residual row stride, N, out,
+            # out row stride, threads
+            lib.gemm_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int]
             lib.gemm_bf16.restype = None
             lib.gemm_set_work_stealing.argtypes = [_int]
             lib.gemm_set_work_stealing.restype = None

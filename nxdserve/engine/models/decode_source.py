@@ -481,33 +481,32 @@ int64_t decode_forward_scratch(int64_t G, int64_t maxctx) {
 
 /* One thread's share of x (T, K) @ w^T (+ bias) (+ res) -> out, w packed (``gemm.pack``), N outputs: panels
    stolen between threads (``gm_panels_steal``) when runs is set, else a static run of them. */
-static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w, const uint16_t* b,
-                           const uint16_t* res, int64_t N, uint16_t* out, gm_run* runs, int nruns, int tid,
-                           int nth) {
+static inline void df_gemm(const uint16_t* x, int64_t T, int64_t K, const uint16_t* w, const uint8_t* cw,
+                           const uint16_t* b, const uint16_t* res, int64_t N, uint16_t* out, gm_run* runs, int nruns,
+                           int tid, int nth) {
     if (runs) {
-        gm_panels_steal(x, T, K, K, w, runs, tid, nruns, b, res, N, N, out, N);
+        gm_panels_steal(x, T, K, K, w, cw, runs, tid, nruns, b, res, N, N, out, N);
         return;
     }
     int64_t p0, p1;
     gm_share((N + GM_NR - 1) / GM_NR, tid, nth, &p0, &p1);
-    gm_panels(x, T, K, K, w, p0, p1, b, res, N, N, out, N);
+    gm_panels(x, T, K, K, w, cw, p0, p1, b, res, N, N, out, N);
 }
 
 /* Pulls into L2 the first panel of this thread's static run of a packed weight (K inputs, N outputs): the panel
    a GEMM starts on cold, since only later panels are prefetched by the ones before them (gm_panel). Issued
    before the short phase (a norm, the activation) or the wait that precedes the GEMM. */
-static inline void df_prefetch_first_panel(const uint16_t* w, int64_t K, int64_t N, int tid, int nth) {
+static inline void df_prefetch_first_panel(const uint16_t* w, const uint8_t* cw, int64_t K, int64_t N, int tid,
+                                           int nth) {
     int64_t p0, p1;
     gm_share((N + GM_NR - 1) / GM_NR, tid, nth, &p0, &p1);
-    if (p0 >= p1) return;
-    const int64_t bytes = ((K + 1) / 2) * 2 * GM_NR * 2;
-    const char* c = (const char*)(w + p0 * (bytes / 2));
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+    if (p0 < p1) gm_prefetch_panel(w, cw, K, p0);
 }
 
-/* Per layer, 10 pointers: input norm, qkv weight, qkv bias, o weight, o bias, post norm, gate_up weight,
+/* Per layer, 16 pointers: input norm, qkv weight, qkv bias, o weight, o bias, post norm, gate_up weight,
    gate_up bias, down weight, down bias (weights packed, biases may be NULL); then the layer's K and V cache
-   bases (slots, kv heads, max_len, D) as two more pointers; windows[l] > 0 for a sliding window.
+   bases (slots, kv heads, max_len, D) as two more pointers; then the four weights' compressed copies
+   (``gemm.compress``, each NULL where there is none); windows[l] > 0 for a sliding window.
    x (T, H): the embeddings in, the final-norm hidden states out (final_norm NULL: the last layer's output).
    A NULL input-norm pointer in the table means no input norm (an EAGLE-1 head's layer).
    cos/sin (T, D): the tokens' RoPE rows.
@@ -593,19 +592,21 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
         int64_t tlo, thi;
         df_share(T, tid, nth, &tlo, &thi);
         for (int64_t l = 0; l < L; l++) {
-            const uint16_t* const* p = lw + l * 12;
+            const uint16_t* const* p = lw + l * 16;
             const uint16_t *in_norm = p[0], *qkv_w = p[1], *qkv_b = p[2], *o_w = p[3], *o_b = p[4];
             const uint16_t *post_norm = p[5], *gu_w = p[6], *gu_b = p[7], *dn_w = p[8], *dn_b = p[9];
             uint16_t *kc = (uint16_t*)p[10], *vc = (uint16_t*)p[11];
+            const uint8_t *qkv_c = (const uint8_t*)p[12], *o_c = (const uint8_t*)p[13];
+            const uint8_t *gu_c = (const uint8_t*)p[14], *dn_c = (const uint8_t*)p[15];
             for (int j = 0; j < 4; j++) lr[j] = runs ? runs + l * per_layer + run_at[j] : NULL;
             const int last = prune && l == L - 1;
             const int blocks = D == 64 && G <= 4 && windows[l] <= 0; /* df_block64's shapes */
             /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */
-            df_prefetch_first_panel(qkv_w, H, QKV, tid, nth);
+            df_prefetch_first_panel(qkv_w, qkv_c, H, QKV, tid, nth);
             if (in_norm) df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
             else if (thi > tlo) memcpy(h + tlo * H, x + tlo * H, sizeof(uint16_t) * (thi - tlo) * H);
             _Pragma("omp barrier")
-            df_gemm(h, T, H, qkv_w, qkv_b, NULL, QKV, qkv, lr[0], nt, tid, nth);
+            df_gemm(h, T, H, qkv_w, qkv_c, qkv_b, NULL, QKV, qkv, lr[0], nt, tid, nth);
             _Pragma("omp barrier")
             /* 2. RoPE on q and k heads, K and V into the cache: (token, head) items. */
             _Pragma("omp for schedule(static)")
@@ -683,7 +684,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                     df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, pos[t], windows[l], G, D, scale, sc,
                                   attn + t * NH * D + kv * G * D, t + 1 == t0 + nb ? nk : NULL, nk_lines);
             }
-            df_prefetch_first_panel(o_w, NH * D, H, tid, nth);
+            df_prefetch_first_panel(o_w, o_c, NH * D, H, tid, nth);
             _Pragma("omp barrier")
             /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back. */
             if (ngrp) {
@@ -718,20 +719,20 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                 _Pragma("omp barrier")
             }
             /* 4. Output projection plus the residual, in place on x (this thread's columns). */
-            df_gemm(attn, TL, NH * D, o_w, o_b, x, H, x, lr[1], nt, tid, nth);
-            df_prefetch_first_panel(gu_w, H, 2 * I, tid, nth);
+            df_gemm(attn, TL, NH * D, o_w, o_c, o_b, x, H, x, lr[1], nt, tid, nth);
+            df_prefetch_first_panel(gu_w, gu_c, H, 2 * I, tid, nth);
             _Pragma("omp barrier")
             /* 5. Post-attention norm; gate and up; silu(gate) * up. */
             df_rmsnorm(x, post_norm, eps, h, llo, lhi, H);
             _Pragma("omp barrier")
-            df_gemm(h, TL, H, gu_w, gu_b, NULL, 2 * I, gu, lr[2], nt, tid, nth);
-            df_prefetch_first_panel(dn_w, I, H, tid, nth);
+            df_gemm(h, TL, H, gu_w, gu_c, gu_b, NULL, 2 * I, gu, lr[2], nt, tid, nth);
+            df_prefetch_first_panel(dn_w, dn_c, I, H, tid, nth);
             _Pragma("omp barrier")
             for (int64_t t = llo; t < lhi; t++)
                 df_silu_mul(silu_tab, gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
             _Pragma("omp barrier")
             /* 6. Down projection plus the residual, in place on x. */
-            df_gemm(act, TL, I, dn_w, dn_b, x, H, x, lr[3], nt, tid, nth);
+            df_gemm(act, TL, I, dn_w, dn_c, dn_b, x, H, x, lr[3], nt, tid, nth);
             _Pragma("omp barrier")
         }
         if (prune) df_share(K, tid, nth, &tlo, &thi);

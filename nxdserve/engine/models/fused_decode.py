@@ -43,6 +43,10 @@ def silu_table() -> torch.Tensor:
     return torch.cat((F.silu(every_value).view(torch.int16), torch.zeros(1, dtype=torch.int16)))
 
 
+# (cache, weights' version, compression): the C pointer table and the layers' windows
+_LayerTable = tuple[tuple[int, int, bool], "ctypes.Array[ctypes.c_void_p]", "ctypes.Array[ctypes.c_int64]"]
+
+
 def available() -> bool:
     return enabled and cpu_kernels.available() and cpu_kernels.built("decode_forward_available")
 
@@ -73,7 +77,7 @@ class FusedDecode:
             and spec.head_dim <= cpu_kernels.MAX_HEAD_DIM
             and spec.num_heads // spec.num_kv_heads <= cpu_kernels.MAX_GROUP
         )
-        self._table: tuple[tuple[int, int], ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int64]] | None = None
+        self._table: _LayerTable | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
 
     def accepts(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> bool:
@@ -94,7 +98,7 @@ class FusedDecode:
 
     def _layer_table(self, kv_cache: SlotKVCache) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int64]]:
         # Rebuilt for another cache, or when the weights were written again (loading bumps every version).
-        key = (kv_cache.data.data_ptr(), self.layers[0].qkv_weight._version)
+        key = (kv_cache.data.data_ptr(), self.layers[0].qkv_weight._version, gemm.compression)
         if self._table is None or self._table[0] != key:
             pointers: list[int | None] = []
             windows: list[int] = []
@@ -117,6 +121,9 @@ class FusedDecode:
                     assert p is None or (p.is_contiguous() and p.dtype == torch.bfloat16)
                     pointers.append(None if p is None else (gemm.pack(p) if j in packed else p).data_ptr())
                 pointers += [k_cache.data_ptr(), v_cache.data_ptr()]
+                for j in sorted(packed):  # their compressed copies, where the tiles read them
+                    blob = None if params[j] is None else gemm.compressed(params[j])
+                    pointers.append(None if blob is None else blob.data_ptr())
                 windows.append(layer.window or 0)
             table = (ctypes.c_void_p * len(pointers))(*pointers)
             window_array = (ctypes.c_int64 * len(windows))(*windows)

@@ -17,8 +17,13 @@ from nxdserve.engine.models import cpu_kernels
 
 PANEL = 48  # columns per panel: GM_NR in gemm_source
 _ATTR = "_nxdserve_panels"
+_CW_ATTR = "_nxdserve_compressed_panels"
+CW_STEP_PAIRS = 16  # k pairs per compressed step: GM_AMX_STEP_PAIRS in gemm_source
+CW_HEADER = 64
 
 enabled = os.environ.get("NXDSERVE_GEMM", "1") != "0"
+# Whether GEMMs on the tiles read the weights' compressed copy (``compress``); the bits are the same either way.
+compression = os.environ.get("NXDSERVE_COMPRESSED_WEIGHTS", "1") != "0"
 
 
 def available() -> bool:
@@ -44,6 +49,76 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         packed = padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
     setattr(weight, _ATTR, (weight._version, packed))
     return packed
+
+
+def _cw_byte_order() -> torch.Tensor:
+    """For each byte position b of a 64-word half group, the word j whose bytes sit there: the order in which
+    ``_mm512_unpacklo_epi8`` / ``unpackhi`` (per 128-bit lane) put words 0-31 and 32-63 back together."""
+    j = torch.arange(64)
+    lane_of = torch.where(j < 32, j // 8, (j - 32) // 8)
+    byte_of = 16 * lane_of + torch.where(j < 32, j % 8, 8 + (j - 32) % 8)
+    return torch.argsort(byte_of)
+
+
+def _align(n: int) -> int:
+    return (n + 63) & ~63
+
+
+def compress(weight: torch.Tensor) -> torch.Tensor | None:
+    """``pack(weight)`` in 12 bits a word, losslessly (``gemm_source``, "Compressed panels"): a uint8 blob, made
+    once and kept on the weight like the packed copy. None where K is not a multiple of 32."""
+    entry = getattr(weight, _CW_ATTR, None)
+    if entry is not None and entry[0] == weight._version:
+        return entry[1]
+    k = weight.shape[1]
+    if k % (2 * CW_STEP_PAIRS):
+        return None
+    packed = pack(weight)
+    panels = packed.shape[0]
+    steps = k // (2 * CW_STEP_PAIRS)
+    with torch.inference_mode():
+        words = packed.view(torch.int16).reshape(panels, -1).to(torch.int32) & 0xFFFF
+        low, high = words & 0xFF, words >> 8
+        # The 16 most common high bytes (sign and exponent >> 1) get a code each; zero padding is one of them
+        # in a last partial panel.
+        table = torch.bincount(high.flatten(), minlength=256).topk(16).indices
+        code_of = torch.full((256,), -1, dtype=torch.int32)
+        code_of[table] = torch.arange(16, dtype=torch.int32)
+        codes = code_of[high]
+        inside = codes >= 0
+        codes = codes.clamp(min=0)
+        table = table.to(torch.uint8)
+
+        order = _cw_byte_order()
+        low = low.view(panels, steps, 12, 2, 64)[..., order].to(torch.uint8)
+        codes = codes.view(panels, steps, 12, 2, 64)[..., order]
+        code_bytes = (codes[..., 0, :] | (codes[..., 1, :] << 4)).to(torch.uint8)
+        data = torch.cat((low.reshape(panels, steps, -1), code_bytes.reshape(panels, steps, -1)), dim=2)
+
+        outside = ~inside
+        patch_at = torch.zeros(panels + 1, dtype=torch.int32)
+        patch_at[1:] = torch.cumsum(outside.sum(1), 0).to(torch.int32)
+        panel_of, pos = outside.nonzero(as_tuple=True)
+        patch_pos = pos.to(torch.int32)  # < 2**31: a panel has K * 48 words
+        patch_val = words[panel_of, pos].to(torch.int16)
+
+        at_off = CW_HEADER + _align(data.numel())
+        pos_off = at_off + _align(4 * (panels + 1))
+        val_off = pos_off + _align(4 * patch_pos.numel())
+        blob = torch.zeros(val_off + _align(2 * patch_val.numel()), dtype=torch.uint8)
+        blob[:16] = table
+        blob[16:40].view(torch.int64)[:] = torch.tensor([at_off, pos_off, val_off], dtype=torch.int64)
+        blob[CW_HEADER : CW_HEADER + data.numel()] = data.flatten()
+        blob[at_off : at_off + 4 * (panels + 1)].view(torch.int32)[:] = patch_at
+        blob[pos_off : pos_off + 4 * patch_pos.numel()].view(torch.int32)[:] = patch_pos
+        blob[val_off : val_off + 2 * patch_val.numel()].view(torch.int16)[:] = patch_val
+    setattr(weight, _CW_ATTR, (weight._version, blob))
+    return blob
+
+
+def compressed(weight: torch.Tensor) -> torch.Tensor | None:
+    """``compress(weight)`` where the GEMMs would read it (compression on, AMX tiles), else None."""
+    return compress(weight) if compression and uses_amx() else None
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -73,8 +148,10 @@ def matmul(
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
+    blob = compressed(weight)
     lib.gemm_bf16(
-        x.data_ptr(), m, k, x.stride(0), pack(weight).data_ptr(), None if bias is None else bias.data_ptr(),
+        x.data_ptr(), m, k, x.stride(0), pack(weight).data_ptr(), None if blob is None else blob.data_ptr(),
+        None if bias is None else bias.data_ptr(),
         None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
         n, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip

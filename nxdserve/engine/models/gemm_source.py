@@ -133,6 +133,59 @@ static void gm_panel(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, int64
     }
 }
 
+/* Compressed panels (``gemm.compress``): the packed panels' bf16 words in 12 bits each, losslessly. A word's
+   low byte (the exponent's lowest bit and the 7 mantissa bits) is kept as it is; its high byte (sign and the
+   exponent's 7 upper bits) takes one of 16 values in almost every weight (trained weights span few
+   exponents), so it is stored as a 4-bit code into the matrix's table of its 16 most common high bytes. The
+   few words outside the table (the largest and smallest magnitudes, zeros: ~0.04% on SmolLM2) are patched in
+   after the decode. A decode step
+   streams 3/4 of the plain bytes from memory, which is what bounds it; the words a GEMM sees are the plain
+   panel's, bit for bit, so the sums and outputs are unchanged.
+   Layout, a uint8 blob: a 64-byte header (table[16], then int64 offsets of patch_at, patch_pos, patch_val),
+   then panel after panel, each K/32 steps of GM_CW_STEP bytes: 16 k pairs x 48 columns = 1536 words as 1536
+   low bytes then 768 code bytes; then the patches: patch_at (int32, P + 1: panel p's are [patch_at[p],
+   patch_at[p + 1])), patch_pos (uint32, the word's index in the plain panel), patch_val (uint16). Within a
+   step, 128 words at a time: codes byte b holds word group A's code in its low nibble and group B's in its
+   high one, and the low bytes are in the order that _mm512_unpack{lo,hi}_epi8 interleave back. */
+#define GM_CW_WORDS (GM_AMX_STEP_PAIRS * 2 * GM_NR) /* plain words of a step: 1536 */
+#define GM_CW_STEP (GM_CW_WORDS + GM_CW_WORDS / 2)   /* its compressed bytes: 2304 */
+#define GM_AMX_STEP_PAIRS 16
+_Static_assert(GM_CW_STEP % 64 == 0, "compressed steps stay cache-line aligned");
+
+typedef struct {
+    uint8_t table[16];
+    int64_t patch_at, patch_pos, patch_val;
+} gm_cw_header;
+
+/* One step: GM_CW_STEP bytes at src -> GM_CW_WORDS plain words at dst (64-byte aligned). */
+static inline void gm_cw_step(const uint8_t* src, __m512i table, uint16_t* dst) {
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < GM_CW_WORDS / 128; i++) {
+        const __m512i c = _mm512_load_si512(src + GM_CW_WORDS + 64 * i);
+        const __m512i ha = _mm512_shuffle_epi8(table, _mm512_and_si512(c, nib));
+        const __m512i hb = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c, 4), nib));
+        const __m512i la = _mm512_load_si512(src + 128 * i), lb = _mm512_load_si512(src + 128 * i + 64);
+        _mm512_store_si512(dst + 128 * i, _mm512_unpacklo_epi8(la, ha));
+        _mm512_store_si512(dst + 128 * i + 32, _mm512_unpackhi_epi8(la, ha));
+        _mm512_store_si512(dst + 128 * i + 64, _mm512_unpacklo_epi8(lb, hb));
+        _mm512_store_si512(dst + 128 * i + 96, _mm512_unpackhi_epi8(lb, hb));
+    }
+}
+
+/* This thread's buffer of decoded steps (at least ``steps``), NULL if it cannot be had. */
+static __thread uint16_t* gm_cw_buf;
+static __thread int64_t gm_cw_cap;
+static uint16_t* gm_cw_scratch(int64_t steps) {
+    if (gm_cw_cap < steps) {
+        free(gm_cw_buf);
+        gm_cw_buf = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * GM_CW_WORDS * steps);
+        gm_cw_cap = gm_cw_buf ? steps : 0;
+    }
+    return gm_cw_buf;
+}
+
+int gemm_cw_header_size(void) { return (int)sizeof(gm_cw_header); }
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <cpuid.h>
 extern long syscall(long number, ...); /* unistd.h declares it only with _GNU_SOURCE */
@@ -209,15 +262,34 @@ static float* gm_amx_acc(int64_t tiles) {
    chunks. Without chunks each row tile re-read the whole 55 KB panel from L2, whose bandwidth, not the
    tiles, bounded a prefill. Each C tile still sums k in order, so the bits are the same either way. */
 static void gm_panel_amx(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, int64_t xs, const uint16_t* tail,
-                         const uint16_t* w, const uint16_t* next, int64_t p, const uint16_t* bias,
+                         const uint16_t* w, const uint8_t* cw, const uint16_t* next, int64_t p, const uint16_t* bias,
                          const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os) {
     float c[GM_AMX_ROWS * GM_NR] __attribute__((aligned(64)));
-    const int64_t KB = K / GM_AMX_K, lines = next ? (K / 2) * GM_STEP_LINES : 0;
+    const int64_t KB = K / GM_AMX_K;
     const int64_t tiles = (b1 - b0 + GM_AMX_ROWS - 1) / GM_AMX_ROWS, steps = tiles * KB;
     float* acc = tiles > 1 && KB > GM_AMX_KC ? gm_amx_acc(tiles) : NULL;
     const int64_t chunks = acc ? (KB + GM_AMX_KC - 1) / GM_AMX_KC : 1;
-    const char* pf = (const char*)next;
+    /* Compressed: the first row tile decodes each step of a chunk into this thread's buffer (one step, reused,
+       when there is one row tile), the others read it there; the next panel's compressed bytes are prefetched. */
+    const uint8_t* src = cw ? cw + 64 + p * KB * GM_CW_STEP : NULL;
+    uint16_t* dec = cw ? gm_cw_scratch(tiles > 1 ? (KB + chunks - 1) / chunks : 1) : NULL;
+    if (cw && !dec) { src = NULL; cw = NULL; }
+    const int64_t lines = !next ? 0 : cw ? KB * (GM_CW_STEP / 64) : (K / 2) * GM_STEP_LINES;
+    const char* pf = !next ? NULL : cw ? (const char*)(src + KB * GM_CW_STEP) : (const char*)next;
     int64_t due = 0;
+    __m512i table = _mm512_setzero_si512();
+    const uint32_t* ppos = NULL;
+    const uint16_t* pval = NULL;
+    int32_t q = 0, q1 = 0;
+    if (cw) {
+        const gm_cw_header* hd = (const gm_cw_header*)cw;
+        const int32_t* at = (const int32_t*)(cw + hd->patch_at);
+        table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)hd->table));
+        ppos = (const uint32_t*)(cw + hd->patch_pos);
+        pval = (const uint16_t*)(cw + hd->patch_val);
+        q = at[p];
+        q1 = at[p + 1];
+    }
     for (int64_t ch = 0; ch < chunks; ch++) {
         const int64_t k0 = KB * ch / chunks, k1 = KB * (ch + 1) / chunks;
         for (int64_t m0 = b0, t = 0; m0 < b1; m0 += GM_AMX_ROWS, t++) {
@@ -235,6 +307,15 @@ static void gm_panel_amx(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, i
             const uint16_t* wk = w + k0 * GM_AMX_K * GM_NR;
             for (int64_t kb = k0; kb < k1; kb++, wk += GM_AMX_K * GM_NR) {
                 for (due += lines; due >= steps; due -= steps, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+                if (cw) {
+                    uint16_t* d = dec + (tiles > 1 ? kb - k0 : 0) * GM_CW_WORDS;
+                    if (t == 0) {
+                        gm_cw_step(src + kb * GM_CW_STEP, table, d);
+                        const uint32_t base = (uint32_t)kb * GM_CW_WORDS;
+                        for (; q < q1 && ppos[q] < base + GM_CW_WORDS; q++) d[ppos[q] - base] = pval[q];
+                    }
+                    wk = d;
+                }
                 _tile_loadd(3, a + kb * GM_AMX_K, as);
                 _tile_loadd(4, wk, 4 * GM_NR);
                 _tile_loadd(5, wk + 32, 4 * GM_NR);
@@ -243,6 +324,7 @@ static void gm_panel_amx(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, i
                 _tile_dpbf16ps(1, 3, 5);
                 _tile_dpbf16ps(2, 3, 6);
             }
+            (void)w;
             if (ch + 1 < chunks) {
                 _tile_stored(0, part, 64);
                 _tile_stored(1, part + GM_AMX_ROWS * 16, 64);
@@ -271,6 +353,15 @@ static const int gm_amx_on = 0;
 static inline int gm_use_amx(int64_t K) { (void)K; return 0; }
 #endif
 
+
+/* Pulls the first panel of a weight, plain (cw NULL) or compressed, into L2. */
+static inline void gm_prefetch_panel(const uint16_t* wp, const uint8_t* cw, int64_t K, int64_t p) {
+    if (!gm_use_amx(K)) cw = NULL; /* only the tiles read compressed panels */
+    const int64_t bytes = cw ? (K / (2 * GM_AMX_STEP_PAIRS)) * GM_CW_STEP : ((K + 1) / 2) * 2 * GM_NR * 2;
+    const char* c = cw ? (const char*)(cw + 64 + p * bytes) : (const char*)wp + p * bytes;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
 /* Asks for AMX once (call before the first GEMM); whether GEMMs use it. */
 int gemm_amx(void) {
 #ifdef GM_AMX
@@ -298,9 +389,9 @@ static inline int64_t gm_row_block(int64_t K) {
 
 /* Rows [0, M) of x against panels [p0, p1) of w: out columns 48 * p0 .. min(48 * p1, N), row block by row
    block. One thread's static share of a GEMM too big for work stealing (a long prefill). */
-static void gm_panels(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, int64_t p0,
-                      int64_t p1, const uint16_t* bias, const uint16_t* res, int64_t rs, int64_t N, uint16_t* out,
-                      int64_t os) {
+static void gm_panels(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, const uint8_t* cw,
+                      int64_t p0, int64_t p1, const uint16_t* bias, const uint16_t* res, int64_t rs, int64_t N,
+                      uint16_t* out, int64_t os) {
     const int64_t panel = ((K + 1) / 2) * 2 * GM_NR, mb = gm_row_block(K);
     const int amx = gm_use_amx(K) && p0 < p1;
     const uint16_t* tail = NULL;
@@ -313,7 +404,7 @@ static void gm_panels(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const
             const uint16_t* w = wp + p * panel;
             const uint16_t* next = p + 1 < p1 ? w + panel : NULL;
 #ifdef GM_AMX
-            if (amx) { gm_panel_amx(x, b0, b1, K, xs, tail, w, next, p, bias, res, rs, N, out, os); continue; }
+            if (amx) { gm_panel_amx(x, b0, b1, K, xs, tail, w, cw, next, p, bias, res, rs, N, out, os); continue; }
 #endif
             gm_panel(x, b0, b1, K, xs, w, next, p, bias, res, rs, N, out, os);
         }
@@ -375,8 +466,8 @@ void gemm_set_work_stealing(int on) { gm_stealing = on; }
 
 /* Thread tid's part of x (M rows) @ w^T with runs set by gm_runs_init for x's row blocks and w's panels. */
 static void gm_panels_steal(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp,
-                            gm_run* runs, int tid, int nt, const uint16_t* bias, const uint16_t* res, int64_t rs,
-                            int64_t N, uint16_t* out, int64_t os) {
+                            const uint8_t* cw, gm_run* runs, int tid, int nt, const uint16_t* bias,
+                            const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os) {
     const int64_t panel = ((K + 1) / 2) * 2 * GM_NR, mb = gm_row_block(K);
     int64_t p, end;
 #ifdef GM_AMX
@@ -387,12 +478,12 @@ static void gm_panels_steal(const uint16_t* x, int64_t M, int64_t K, int64_t xs,
             const int64_t b1 = b0 + mb < M ? b0 + mb : M;
             while (gm_claim(&runs[tid], 0, &p, &end)) {
                 const uint16_t* w = wp + p * panel;
-                gm_panel_amx(x, b0, b1, K, xs, tail, w, p + 1 < end ? w + panel : NULL, p, bias, res, rs, N, out,
-                             os);
+                gm_panel_amx(x, b0, b1, K, xs, tail, w, cw, p + 1 < end ? w + panel : NULL, p, bias, res, rs, N,
+                             out, os);
             }
             for (int u = 1; u < nt; u++)
                 while (gm_claim(&runs[(tid + u) % nt], 1, &p, &end))
-                    gm_panel_amx(x, b0, b1, K, xs, tail, wp + p * panel, NULL, p, bias, res, rs, N, out, os);
+                    gm_panel_amx(x, b0, b1, K, xs, tail, wp + p * panel, cw, NULL, p, bias, res, rs, N, out, os);
         }
         return;
     }
@@ -412,9 +503,11 @@ static void gm_panels_steal(const uint16_t* x, int64_t M, int64_t K, int64_t xs,
 /* out (M, N) = bf16(x (M, K) @ w^T + bias) [+ res, rounded again], w packed by panels (``gemm.pack``):
    panel p holds columns 48p..48p+47 as [ceil(K/2)][48][2] bf16 pairs, zero-padded. Each thread takes
    a run of whole panels in each row block of x (and steals from the others' runs when done). out
-   may be res (an in-place residual add). */
-void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, const uint16_t* bias,
-               const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os, int nthreads) {
+   may be res (an in-place residual add). cw: the same panels compressed (``gemm.compress``) or NULL; the
+   tiles read those, the AVX512 tile the plain ones. */
+void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, const uint8_t* cw,
+               const uint16_t* bias, const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os,
+               int nthreads) {
     const int64_t P = (N + GM_NR - 1) / GM_NR;
     int nt = nthreads < 1 ? 1 : nthreads;
     if (nt > P) nt = (int)P;
@@ -427,11 +520,11 @@ void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16
     {
         int tid = omp_get_thread_num();
         if (runs) {
-            gm_panels_steal(x, M, K, xs, wp, runs, tid, nt, bias, res, rs, N, out, os);
+            gm_panels_steal(x, M, K, xs, wp, cw, runs, tid, nt, bias, res, rs, N, out, os);
         } else {
             int64_t p0, p1;
             gm_share(P, tid, omp_get_num_threads(), &p0, &p1);
-            gm_panels(x, M, K, xs, wp, p0, p1, bias, res, rs, N, out, os);
+            gm_panels(x, M, K, xs, wp, cw, p0, p1, bias, res, rs, N, out, os);
         }
     }
     free(runs);

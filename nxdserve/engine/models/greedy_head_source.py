@@ -252,8 +252,8 @@ int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, 
 #ifdef GM_AMX
                         if (amx) {
                             if (!xpad) xpad = gm_amx_tail(x + m * xs, 1, K, xs);
-                            gm_panel_amx(x + m * xs, 0, 1, K, xs, xpad, wfull + p * panel_w, NULL, 0, NULL, NULL, 0,
-                                         GM_NR, logits, 0);
+                            gm_panel_amx(x + m * xs, 0, 1, K, xs, xpad, wfull + p * panel_w, NULL, NULL, 0, NULL,
+                                         NULL, 0, GM_NR, logits, 0);
                         } else
 #endif
                         gm_tile_1(x + m * xs, xs, K, wfull + p * panel_w, NULL, 0, NULL, NULL, 0, logits, 0, 0, GM_NR);
