@@ -74,39 +74,44 @@ def compress(weight: torch.Tensor) -> torch.Tensor | None:
     if k % (2 * CW_STEP_PAIRS):
         return None
     packed = pack(weight)
-    panels = packed.shape[0]
+    panels, words = packed.shape[0], packed[0].numel()
     steps = k // (2 * CW_STEP_PAIRS)
+    step_bytes = 3 * words // (2 * steps)
     with torch.inference_mode():
-        words = packed.view(torch.int16).reshape(panels, -1).to(torch.int32) & 0xFFFF
-        low, high = words & 0xFF, words >> 8
+        halves = packed.view(torch.uint8).view(panels, words, 2)  # each word's low byte, then its high byte
         # The 16 most common high bytes (sign and exponent >> 1) get a code each; zero padding is one of them
-        # in a last partial panel.
-        table = torch.bincount(high.flatten(), minlength=256).topk(16).indices
-        code_of = torch.full((256,), -1, dtype=torch.int32)
-        code_of[table] = torch.arange(16, dtype=torch.int32)
-        codes = code_of[high]
-        inside = codes >= 0
-        codes = codes.clamp(min=0)
-        table = table.to(torch.uint8)
-
+        # in a last partial panel. Code 16: outside the table, patched.
+        table = torch.bincount(halves[..., 1].flatten(), minlength=256).topk(16).indices
+        code_of = torch.full((256,), 16, dtype=torch.uint8)
+        code_of[table] = torch.arange(16, dtype=torch.uint8)
         order = _cw_byte_order()
-        low = low.view(panels, steps, 12, 2, 64)[..., order].to(torch.uint8)
-        codes = codes.view(panels, steps, 12, 2, 64)[..., order]
-        code_bytes = (codes[..., 0, :] | (codes[..., 1, :] << 4)).to(torch.uint8)
-        data = torch.cat((low.reshape(panels, steps, -1), code_bytes.reshape(panels, steps, -1)), dim=2)
-
-        outside = ~inside
+        data = torch.empty(panels, steps, step_bytes, dtype=torch.uint8)
+        counts, positions, values = [], [], []
+        # A few panels at a time: the int64 indices of a whole LM head would be ~8x its size.
+        for p0 in range(0, panels, 16):
+            part = halves[p0 : p0 + 16]
+            n = part.shape[0]
+            codes = code_of[part[..., 1].long()]
+            outside = codes == 16
+            low = part[..., 0].reshape(n, steps, 12, 2, 64)[..., order]
+            codes = codes.masked_fill(outside, 0).view(n, steps, 12, 2, 64)[..., order]
+            data[p0 : p0 + n, :, : 2 * step_bytes // 3] = low.reshape(n, steps, -1)
+            data[p0 : p0 + n, :, 2 * step_bytes // 3 :] = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(
+                n, steps, -1
+            )
+            counts.append(outside.sum(1))
+            panel_of, pos = outside.nonzero(as_tuple=True)
+            positions.append(pos.to(torch.int32))  # < 2**31: a panel has K * 48 words
+            values.append(packed[p0 : p0 + n].view(torch.int16).reshape(n, words)[panel_of, pos])
         patch_at = torch.zeros(panels + 1, dtype=torch.int32)
-        patch_at[1:] = torch.cumsum(outside.sum(1), 0).to(torch.int32)
-        panel_of, pos = outside.nonzero(as_tuple=True)
-        patch_pos = pos.to(torch.int32)  # < 2**31: a panel has K * 48 words
-        patch_val = words[panel_of, pos].to(torch.int16)
+        patch_at[1:] = torch.cumsum(torch.cat(counts), 0).to(torch.int32)
+        patch_pos, patch_val = torch.cat(positions), torch.cat(values)
 
         at_off = CW_HEADER + _align(data.numel())
         pos_off = at_off + _align(4 * (panels + 1))
         val_off = pos_off + _align(4 * patch_pos.numel())
         blob = torch.zeros(val_off + _align(2 * patch_val.numel()), dtype=torch.uint8)
-        blob[:16] = table
+        blob[:16] = table.to(torch.uint8)
         blob[16:40].view(torch.int64)[:] = torch.tensor([at_off, pos_off, val_off], dtype=torch.int64)
         blob[CW_HEADER : CW_HEADER + data.numel()] = data.flatten()
         blob[at_off : at_off + 4 * (panels + 1)].view(torch.int32)[:] = patch_at
