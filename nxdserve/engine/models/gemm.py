@@ -3,7 +3,9 @@
 ``matmul(x, weight, bias, residual)`` returns None where the kernel does not apply (no AVX512-BF16
 build, another dtype or device, autograd, non-contiguous rows); ``linear`` then takes oneDNN.
 ``NXDSERVE_GEMM=0`` turns it off (A/B measurements). Where the CPU has AMX-BF16, GEMMs whose K is a multiple
-of 32 run on its tiles (``gemm_source``: the same packed panels).
+of 32 run on its tiles (``gemm_source``: the same packed panels), and read the weight's compressed copy
+(``compress``: 12 bits a weight, lossless; the tiles see the same words), since at decode sizes a GEMM's time is
+the time to read its weight from memory. ``NXDSERVE_COMPRESSED_WEIGHTS=0`` turns that off.
 """
 
 from __future__ import annotations
