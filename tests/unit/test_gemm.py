@@ -213,6 +213,8 @@ def test_compressed_copy_decodes_to_the_packed_words(n: int, k: int) -> None:
     assert blob.numel() <= 1.5 * plain.numel() + 6 * patches + 4 * (plain.shape[0] + 1) + 4 * 64
     assert torch.equal(_decode(blob, n, k), plain)
     assert gemm.compress(weight[:, :40].contiguous()) is None  # K not a multiple of 32: no compressed copy
+    lib = gemm.cpu_kernels._library()
+    assert lib is not None and lib.gemm_cw_header_size() == 40  # the C struct the header's bytes 0-40 fill
 
 
 @needs_amx
