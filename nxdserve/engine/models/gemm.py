@@ -11,6 +11,7 @@ the time to read its weight from memory. ``NXDSERVE_COMPRESSED_WEIGHTS=0`` turns
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,19 +39,28 @@ def uses_amx() -> bool:
     return available() and lib is not None and bool(lib.gemm_amx())
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (N, K) as (ceil(N/48), ceil(K/2), 48, 2): panels of 48 columns, k in pairs, zero-padded.
-    Made once and kept on the weight tensor, keyed by its version counter (an in-place update, such as
-    loading, repacks on the next call); modules sharing a weight share the copy."""
-    entry = getattr(weight, _ATTR, None)
+def _kept(weight: torch.Tensor, attr: str, build: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``build(weight)``, made once and kept on the weight tensor, keyed by its version counter (an in-place
+    update, such as loading, rebuilds it on the next call); modules sharing a weight share the copy."""
+    entry = getattr(weight, attr, None)
     if entry is not None and entry[0] == weight._version:
         return entry[1]
+    value = build(weight)
+    setattr(weight, attr, (weight._version, value))
+    return value
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (N, K) as (ceil(N/48), ceil(K/2), 48, 2): panels of 48 columns, k in pairs, zero-padded;
+    kept on the weight (``_kept``)."""
+    return _kept(weight, _ATTR, _pack)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     with torch.inference_mode():
         padded = F.pad(weight.detach(), (0, k % 2, 0, -n % PANEL))
-        packed = padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
-    setattr(weight, _ATTR, (weight._version, packed))
-    return packed
+        return padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
 def _cw_byte_order() -> torch.Tensor:
@@ -67,18 +77,19 @@ def _align(n: int) -> int:
 
 
 def compress(weight: torch.Tensor) -> torch.Tensor | None:
-    """``pack(weight)`` in 12 bits a word, losslessly (``gemm_source``, "Compressed panels"): a uint8 blob, made
-    once and kept on the weight like the packed copy. None where K is not a multiple of 32."""
-    entry = getattr(weight, _CW_ATTR, None)
-    if entry is not None and entry[0] == weight._version:
-        return entry[1]
-    k = weight.shape[1]
-    if k % (2 * CW_STEP_PAIRS):
+    """``pack(weight)`` in 12 bits a word, losslessly (``gemm_source``, "Compressed panels"): a uint8 blob,
+    kept on the weight like the packed copy. None where K is not a multiple of 32."""
+    if weight.shape[1] % (2 * CW_STEP_PAIRS):
         return None
+    return _kept(weight, _CW_ATTR, _compress)
+
+
+def _compress(weight: torch.Tensor) -> torch.Tensor:
     packed = pack(weight)
     panels, words = packed.shape[0], packed[0].numel()
-    steps = k // (2 * CW_STEP_PAIRS)
-    step_bytes = 3 * words // (2 * steps)
+    steps = weight.shape[1] // (2 * CW_STEP_PAIRS)
+    step_words = CW_STEP_PAIRS * 2 * PANEL  # 1536: as GM_CW_WORDS
+    groups = step_words // 128  # of 128 words: two 64-word halves, one code byte for both
     with torch.inference_mode():
         halves = packed.view(torch.uint8).view(panels, words, 2)  # each word's low byte, then its high byte
         # The 16 most common high bytes (sign and exponent >> 1) get a code each; zero padding is one of them
@@ -87,7 +98,7 @@ def compress(weight: torch.Tensor) -> torch.Tensor | None:
         code_of = torch.full((256,), 16, dtype=torch.uint8)
         code_of[table] = torch.arange(16, dtype=torch.uint8)
         order = _cw_byte_order()
-        data = torch.empty(panels, steps, step_bytes, dtype=torch.uint8)
+        data = torch.empty(panels, steps, step_words * 3 // 2, dtype=torch.uint8)
         counts, positions, values = [], [], []
         # A few panels at a time: the int64 indices of a whole LM head would be ~8x its size.
         for p0 in range(0, panels, 16):
@@ -95,12 +106,10 @@ def compress(weight: torch.Tensor) -> torch.Tensor | None:
             n = part.shape[0]
             codes = code_of[part[..., 1].long()]
             outside = codes == 16
-            low = part[..., 0].reshape(n, steps, 12, 2, 64)[..., order]
-            codes = codes.masked_fill(outside, 0).view(n, steps, 12, 2, 64)[..., order]
-            data[p0 : p0 + n, :, : 2 * step_bytes // 3] = low.reshape(n, steps, -1)
-            data[p0 : p0 + n, :, 2 * step_bytes // 3 :] = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(
-                n, steps, -1
-            )
+            low = part[..., 0].reshape(n, steps, groups, 2, 64)[..., order]
+            codes = codes.masked_fill(outside, 0).view(n, steps, groups, 2, 64)[..., order]
+            data[p0 : p0 + n, :, :step_words] = low.reshape(n, steps, -1)
+            data[p0 : p0 + n, :, step_words:] = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(n, steps, -1)
             counts.append(outside.sum(1))
             panel_of, pos = outside.nonzero(as_tuple=True)
             positions.append(pos.to(torch.int32))  # < 2**31: a panel has K * 48 words
@@ -119,7 +128,6 @@ def compress(weight: torch.Tensor) -> torch.Tensor | None:
         blob[at_off : at_off + 4 * (panels + 1)].view(torch.int32)[:] = patch_at
         blob[pos_off : pos_off + 4 * patch_pos.numel()].view(torch.int32)[:] = patch_pos
         blob[val_off : val_off + 2 * patch_val.numel()].view(torch.int16)[:] = patch_val
-    setattr(weight, _CW_ATTR, (weight._version, blob))
     return blob
 
 

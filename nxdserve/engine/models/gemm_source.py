@@ -146,9 +146,9 @@ static void gm_panel(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, int64
    patch_at[p + 1])), patch_pos (uint32, the word's index in the plain panel), patch_val (uint16). Within a
    step, 128 words at a time: codes byte b holds word group A's code in its low nibble and group B's in its
    high one, and the low bytes are in the order that _mm512_unpack{lo,hi}_epi8 interleave back. */
+#define GM_AMX_STEP_PAIRS 16                         /* k pairs per tile step */
 #define GM_CW_WORDS (GM_AMX_STEP_PAIRS * 2 * GM_NR) /* plain words of a step: 1536 */
 #define GM_CW_STEP (GM_CW_WORDS + GM_CW_WORDS / 2)   /* its compressed bytes: 2304 */
-#define GM_AMX_STEP_PAIRS 16
 _Static_assert(GM_CW_STEP % 64 == 0, "compressed steps stay cache-line aligned");
 
 typedef struct {
@@ -324,7 +324,6 @@ static void gm_panel_amx(const uint16_t* x, int64_t b0, int64_t b1, int64_t K, i
                 _tile_dpbf16ps(1, 3, 5);
                 _tile_dpbf16ps(2, 3, 6);
             }
-            (void)w;
             if (ch + 1 < chunks) {
                 _tile_stored(0, part, 64);
                 _tile_stored(1, part + GM_AMX_ROWS * 16, 64);
