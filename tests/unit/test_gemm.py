@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.models import gemm
+from nxdserve.engine.models import cpu_kernels, gemm
 from nxdserve.engine.models.linear import linear
 
 needs_gemm = pytest.mark.skipif(not gemm.available(), reason="no AVX512-BF16 C kernels on this machine")
+SMALL_X_BLOCK = 256 * 1024  # 80 rows at K = 1536: the shapes below that say "several row blocks" run several
+
+
+def _set_x_block_bytes(size: int) -> None:
+    lib = cpu_kernels._library()
+    assert lib is not None
+    lib.gemm_set_x_block_bytes(size)
+
+
+@pytest.fixture
+def small_x_blocks() -> Iterator[None]:
+    """Row blocks of x as on a CPU with a 512 KB L2, whatever this machine's L2 (its half is the default)."""
+    _set_x_block_bytes(SMALL_X_BLOCK)
+    try:
+        yield
+    finally:
+        _set_x_block_bytes(0)
 
 
 def _data(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -22,6 +41,7 @@ def _data(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @needs_gemm
+@pytest.mark.usefixtures("small_x_blocks")
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [
@@ -47,6 +67,7 @@ def test_gemm_matches_fp32_matmul_to_bf16_rounding(m: int, n: int, k: int) -> No
 
 
 @needs_gemm
+@pytest.mark.usefixtures("small_x_blocks")
 @pytest.mark.parametrize(("m", "k"), [(40, 320), (300, 1536)])  # one row block; several, each stolen in turn
 def test_gemm_result_does_not_depend_on_thread_count(m: int, k: int) -> None:
     """More threads than cores (7 on the 2-core CI machine) get descheduled mid-GEMM, so the others steal
@@ -64,6 +85,25 @@ def test_gemm_result_does_not_depend_on_thread_count(m: int, k: int) -> None:
     finally:
         torch.set_num_threads(threads)
     assert one is not None and all(many is not None and torch.equal(one, many) for many in results)
+
+
+@needs_gemm
+@pytest.mark.parametrize("block", [SMALL_X_BLOCK, 64 * 1024, 0])  # 80 rows at K = 1536, 16 (one AMX tile), L2 / 2
+def test_row_blocks_of_x_do_not_change_the_bits(block: int) -> None:
+    """x is cut in row blocks that stay in L2 while the weight panels pass (half the L2 by default): every
+    block size gives each row the same bits, residual included."""
+    x, w, b, r = _data(300, 200, 1536, seed=4)
+    with torch.inference_mode():
+        _set_x_block_bytes(1 << 30)  # one block for all 300 rows
+        try:
+            whole = gemm.matmul(x, w, b, r)
+            _set_x_block_bytes(block)
+            blocked = gemm.matmul(x, w, b, r)
+        finally:
+            _set_x_block_bytes(0)
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert whole is not None and blocked is not None and torch.equal(whole, blocked)
+    torch.testing.assert_close(whole.float(), ref + r.float(), rtol=2**-6, atol=2e-2)
 
 
 @needs_gemm
@@ -118,6 +158,7 @@ needs_amx = pytest.mark.skipif(not gemm.uses_amx(), reason="no AMX-BF16 on this 
 
 
 @needs_amx
+@pytest.mark.usefixtures("small_x_blocks")
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (200, 1536)])  # one L2 block of x; several (80 rows at K=1536)
 def test_amx_rows_do_not_depend_on_what_they_are_batched_with(n: int, k: int) -> None:
     """Every row goes through the tiles, a last partial tile from a padded copy: so a request's bits are the
@@ -218,6 +259,7 @@ def test_compressed_copy_decodes_to_the_packed_words(n: int, k: int) -> None:
 
 
 @needs_amx
+@pytest.mark.usefixtures("small_x_blocks")
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [

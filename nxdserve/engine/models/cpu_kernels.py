@@ -450,6 +450,8 @@ def _library() -> ctypes.CDLL | None:
             lib.gemm_bf16.restype = None
             lib.gemm_set_work_stealing.argtypes = [_int]
             lib.gemm_set_work_stealing.restype = None
+            lib.gemm_set_x_block_bytes.argtypes = [_i64]
+            lib.gemm_set_x_block_bytes.restype = None
         lib.omp_bind_team.argtypes = [_int, _ptr, _int, _int]
         lib.omp_bind_team.restype = _int
         lib.gemm_amx.restype = _int
