@@ -88,7 +88,7 @@ def test_gemm_result_does_not_depend_on_thread_count(m: int, k: int) -> None:
 
 
 @needs_gemm
-@pytest.mark.parametrize("block", [SMALL_X_BLOCK, 64 * 1024, 0])  # 80 rows at K = 1536, 16 (one AMX tile), L2 / 2
+@pytest.mark.parametrize("block", [SMALL_X_BLOCK, 64 * 1024, 0])  # 80 rows at K = 1536, 32 (the least), L2 / 2
 def test_row_blocks_of_x_do_not_change_the_bits(block: int) -> None:
     """x is cut in row blocks that stay in L2 while the weight panels pass (half the L2 by default): every
     block size gives each row the same bits, residual included."""
