@@ -49,7 +49,20 @@ int64_t decode_forward_block_min(void) { return df_block_min_tokens; }
 /* Keys of a thread's next attention item pulled into L2 while it runs this one (16 KB of K at head size 64). */
 #define DF_PREFETCH_KEYS 128
 
-typedef struct { int64_t next; char pad[56]; } __attribute__((aligned(64))) df_claim;
+typedef struct { int64_t next; uint64_t ends; char pad[48]; } __attribute__((aligned(64))) df_claim;
+
+/* The next attention item from the front of [lo, hi) (the costliest left) or, back, from its end (the
+   cheapest): -1 when none is left. ends = lo << 32 | hi, taken by compare-and-swap. */
+static inline int64_t df_claim_item(df_claim* c, int back) {
+    uint64_t v = __atomic_load_n(&c->ends, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t lo = v >> 32, hi = v & 0xffffffffu;
+        if (lo >= hi) return -1;
+        const uint64_t want = back ? (lo << 32) | (hi - 1) : ((lo + 1) << 32) | hi;
+        if (__atomic_compare_exchange_n(&c->ends, &v, want, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return back ? (int64_t)hi - 1 : (int64_t)lo;
+    }
+}
 
 /* RoPE on one head's first half & ~15 pairs, 16 at a time: (a, b) = (o[d], o[d + half]) ->
    (bf16(bf16(a c) - bf16(b s)), bf16(bf16(b c') + bf16(a s'))), the eager layer's roundings (x + -y is x - y). */
@@ -579,6 +592,7 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     const int64_t nitems = nblk * NKV;
     df_claim claims[L > 0 ? L : 1];
     memset(claims, 0, sizeof(df_claim) * (L > 0 ? L : 1));
+    for (int64_t l = 0; l < L; l++) claims[l].ends = (uint64_t)nitems;
     if (runs)
         for (int64_t l = 0; l < L; l++)
             for (int j = 0; j < 4; j++)
@@ -632,7 +646,11 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
             }
             /* 3. Attention by (block, KV head) items; they differ in size, so shared dynamically: each thread
                claims its next item before it runs this one, and a single-token item pulls the next one's first
-               keys into L2 (a block is bound by its arithmetic; measured, prefetching there bought nothing). */
+               keys into L2 (a block is bound by its arithmetic; measured, prefetching there bought nothing).
+               Items are sorted costliest first; even threads take them from the front, odd ones from the back,
+               so in a step of prompts and decodes one core runs the prompts' blocks (arithmetic) while the
+               other streams the decodes' K/V (memory) instead of both doing one kind, then the other. Measured
+               on 2 x 70-token prompts + 30 decodes: the attention phase 6.4-6.5 vs 6.7-7.2 ms a step. */
             if (last) { /* (kept token, KV head) items: out to the token's compact row k */
                 for (int64_t it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED); it < K * NKV;
                      it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED)) {
@@ -655,12 +673,12 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
                     }
                 }
             }
-            for (int64_t it = last ? nitems : __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED), nx; it < nitems;
-                 it = nx) {
-                nx = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED);
+            const int back = tid & 1;
+            for (int64_t it = last ? -1 : df_claim_item(&claims[l], back), nx; it >= 0; it = nx) {
+                nx = df_claim_item(&claims[l], back);
                 const char* nk = NULL;
                 int64_t nk_lines = 0;
-                if (nx < nitems) {
+                if (nx >= 0) {
                     const int64_t nt0 = blk_t[nx / NKV], lo = df_first_key(pos[nt0], windows[l]);
                     const int64_t keys = pos[nt0] + 1 - lo;
                     nk = (const char*)(kc + slots[nt0] * c_ss + (nx % NKV) * c_sh + lo * D);
