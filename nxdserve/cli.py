@@ -8,7 +8,6 @@ nxdserve train-eagle ...             -> nxdserve.speculative.train_eagle:main(ar
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import logging
@@ -251,11 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     _configure_logging(args.log_level)
 
-    from nxdserve.api.server import serve
+    from nxdserve.api.server import run_server_loop, serve
 
     opts = serve_options_from_args(args)
     try:
-        return asyncio.run(serve(config, opts))
+        return run_server_loop(lambda: serve(config, opts))
     except ConfigError as exc:
         logging.getLogger("nxdserve").error("%s", exc)
         return 2
