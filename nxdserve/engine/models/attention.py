@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.models import cpu_kernels
+from nxdserve.engine.models import cpu_kernels, huge_pages
 
 DEFAULT_BATCHED_QUERY_LIMIT = 8
 
@@ -32,7 +32,8 @@ DEFAULT_BATCHED_QUERY_LIMIT = 8
 class SlotKVCache:
     """K and V for every layer, slot and position: one zero-filled tensor
     (layers, 2, slots, kv_heads, max_len, head_dim). Zero, not empty: masked positions still enter
-    SDPA's matmuls and must be finite."""
+    SDPA's matmuls and must be finite. On CPU it is in transparent huge pages where the OS allows
+    (``huge_pages``): decodes touch it in thousands of scattered runs a step."""
 
     def __init__(
         self,
@@ -46,7 +47,9 @@ class SlotKVCache:
     ) -> None:
         self.num_slots = num_slots
         self.max_len = max_len
-        self.data = torch.zeros((num_layers, 2, num_slots, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.data = torch.empty((num_layers, 2, num_slots, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        huge_pages.advise(self.data)  # before the zero fill faults the pages in
+        self.data.zero_()
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer, each (slots, kv_heads, max_len, head_dim); views into the cache."""
