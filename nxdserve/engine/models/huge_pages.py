@@ -7,8 +7,9 @@ TLB. Measured through ``EngineCore.step``, 2 interleaved runs each: a step of 2 
 decodes spent 1.6 ms instead of 2.55 writing K/V (RoPE phase) and 6.0-6.1 instead of 6.6-6.7 in attention
 (37.5-37.7 vs 38.8-40.2 ms a step); a step of 30 decodes 0.55-0.63 / 4.1 vs 0.84-0.91 / 4.4-4.55 ms. Steps of
 prompts alone were unchanged. Served workload a, two servers, 8 interleaved rounds: 1148-1198 vs 1089-1193
-output tok/s (higher in 7 of 8 pairs), mean TTFT 181-190 vs 176-201 ms. (Huge pages for every torch allocation, weights included, had bought nothing
-measurable in an earlier session: the weights stream panel by panel, a few TLB entries at a time.)
+output tok/s (higher in 7 of 8 pairs), mean TTFT 181-190 vs 176-201 ms. (Huge pages for every torch
+allocation, weights included, bought nothing measurable: the weights stream panel by panel, a few TLB entries
+at a time.)
 
 Linux only, and only where THP is ``madvise`` or ``always``; ``NXDSERVE_KV_HUGE_PAGES=0`` turns it off (A/B).
 """
