@@ -5,7 +5,7 @@ A decode row reads its whole context's K/V and writes one new position, in every
 positions). In 4 KB pages that is a TLB miss for almost every run; in 2 MB pages the whole cache fits the
 TLB. Measured through ``EngineCore.step``, 2 interleaved runs each: a step of 2 x 70-token prompts + 30
 decodes spent 1.6 ms instead of 2.55 writing K/V (RoPE phase) and 6.0-6.1 instead of 6.6-6.7 in attention
-(37.5-37.7 vs 38.8-40.2 ms a step); a step of 30 decodes 0.55-0.63 / 4.1 vs 0.84-0.91 / 4.4-4.55 ms. Steps of
+(37.5-37.7 vs 38.8-40.2 ms a step); a step of 30 decodes 0.55-0.63 / 4.1-4.2 vs 0.70-0.91 / 4.3-4.55 ms. Steps of
 prompts alone were unchanged. Served workload a, two servers, 8 interleaved rounds: 1148-1198 vs 1089-1193
 output tok/s (higher in 7 of 8 pairs), mean TTFT 181-190 vs 176-201 ms. (Huge pages for every torch
 allocation, weights included, bought nothing measurable: the weights stream panel by panel, a few TLB entries
@@ -48,8 +48,8 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def advise(tensor: torch.Tensor) -> bool:
     """Ask the kernel to back ``tensor``'s memory (the whole 2 MB pages inside it) with huge pages. Call it before
     the memory is first written: pages already faulted in (malloc may hand back memory freed before) stay small
-    until khugepaged gets to them. Returns
-    whether the advice was taken (False off Linux, on other devices, for small tensors, or when refused)."""
+    until khugepaged gets to them. Returns whether the advice was taken (False off Linux, on other devices, for
+    tensors smaller than a huge page, or when refused)."""
     madvise = _madvise()
     if not enabled or madvise is None or tensor.device.type != "cpu":
         return False
