@@ -83,9 +83,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         tokenizer=args.tokenizer,
         served_model_name=list(args.served_model_name or []),
-        backend=args.backend,
+        # vLLM's --device neuron (Neuron's legacy guides) is this project's nxd backend.
+        backend="nxd" if args.device == "neuron" and args.backend == "auto" else args.backend,
         dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype),
-        device=args.device,
+        device="auto" if args.device == "neuron" else args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -117,6 +118,12 @@ def _neuron_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     """--override-neuron-config, with vllm-neuron's --additional-config '{"override_neuron_config": ...}'."""
     extra = dict(args.additional_config or {})
     from_additional = extra.pop("override_neuron_config", None)
+    if "neuron_config" in extra:
+        raise ConfigError(
+            "--additional-config: neuron_config is the vLLM Neuron plugin's own namespace (bucketing, ...), "
+            "which nxdserve does not read; pass NxD Inference NeuronConfig fields as "
+            '\'{"override_neuron_config": {...}}\' or --override-neuron-config.'
+        )
     if extra:
         raise ConfigError(
             f"--additional-config: keys {sorted(extra)} are not supported; only override_neuron_config is."
@@ -190,6 +197,7 @@ def check_combination(args: argparse.Namespace) -> list[str]:
             raise ConfigError(f"--{name.replace('_', '-')} {value!r}: no such file.")
     if args.uds and Path(args.uds).is_dir():
         raise ConfigError(f"--uds {args.uds!r} is a folder; give a socket file path.")
+    _check_model_is_local(args)
     infos = []
     if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
         raise ConfigError("--quantization gguf: --model must be a .gguf file.")
@@ -203,12 +211,34 @@ def check_combination(args: argparse.Namespace) -> list[str]:
     return infos
 
 
+def _check_model_is_local(args: argparse.Namespace) -> None:
+    """A hub id must already be in a local cache: fail now, naming where it was looked for, not after the
+    server stack has started. (Local folders and .gguf files are checked when they load.)"""
+    from nxdserve.model_files import looks_like_hub_id, resolve_model
+
+    wanted = ((args.model, args.revision, True), (args.tokenizer, args.tokenizer_revision, False))
+    for name, revision, weights in wanted:
+        if name is not None and looks_like_hub_id(name) and not Path(name).expanduser().exists():
+            resolve_model(name, revision=revision, download_dir=args.download_dir, require_weights=weights)
+
+
+def normalize_flag_spelling(argv: Sequence[str]) -> list[str]:
+    """vLLM accepts ``--gpu_memory_utilization`` for ``--gpu-memory-utilization`` (its docs use both)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def plan(argv: Sequence[str]) -> tuple[EngineConfig, ServeOptions, list[str]]:
     """Parse a serve command line into what the server would run with, without loading anything:
     (engine config, server options, the info lines start-up logs). Raises ConfigError for refused flags;
     argparse's SystemExit for unknown ones."""
     parser = build_parser()
-    args = parser.parse_args(expand_config_file(list(argv)))
+    args = parser.parse_args(normalize_flag_spelling(expand_config_file(list(argv))))
     infos = check_flags(parser.flags, args)
     infos += check_combination(args)
     return engine_config_from_args(args), serve_options_from_args(args), infos

@@ -89,6 +89,8 @@ def resolve_model(
         return _converted_gguf(src, f"{src.stem}-{key}", progress)
     if path.exists():
         raise ConfigError(f"--model {model!r} is neither a model folder nor a .gguf file.")
+    if not looks_like_hub_id(model):
+        raise ConfigError(f"Model {model!r} was not found: no such folder or .gguf file.")
     looked: list[str] = []
     for cache in hub_cache_dirs(download_dir):
         local = hub_snapshot(cache, model, revision or "main")
@@ -103,6 +105,13 @@ def resolve_model(
         f"and not in a local Hugging Face cache (looked in {', '.join(looked)}). nxdserve never downloads: "
         f"fetch it where there is network (`huggingface-cli download {model}`) and pass its folder, or point "
         "HF_HUB_CACHE / HF_HOME / --download-dir at the cache that holds it."
+    )
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name`` or ``name``: not a path (no leading / . ~, at most one slash, no .gguf suffix)."""
+    return bool(name.strip()) and not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and not (
+        name.endswith(".gguf")
     )
 
 
@@ -126,7 +135,7 @@ def _repo_folder(repo_id: str) -> str:
 def hub_snapshot(cache: Path, repo_id: str, revision: str) -> Path | None:
     """The snapshot folder of ``repo_id`` at ``revision`` in a hub cache laid out as huggingface_hub lays it
     out: ``models--org--name/refs/<branch or tag>`` holds a commit hash, ``snapshots/<commit>/`` the files."""
-    if repo_id.count("/") > 1 or repo_id.startswith(("/", ".")) or not repo_id.strip():
+    if not looks_like_hub_id(repo_id):
         return None
     repo = cache / _repo_folder(repo_id)
     ref = repo / "refs" / revision
