@@ -76,9 +76,10 @@ class FlagGroup:
 
 
 def check_flags(flags: Iterable[Flag], args: argparse.Namespace) -> list[str]:
-    """Refuse what cannot work here (a ConfigError naming the flag and what to do instead); return one info
-    line per given flag that has no effect on this engine."""
+    """Refuse what cannot work here (one ConfigError naming every such flag and what to do instead); return
+    one info line per given flag that has no effect on this engine."""
     infos: list[str] = []
+    problems: list[str] = []
     for flag in flags:
         value = getattr(args, flag.dest, flag.default)
         if flag.kind == "implemented" or not flag.is_set(value):
@@ -86,9 +87,11 @@ def check_flags(flags: Iterable[Flag], args: argparse.Namespace) -> list[str]:
         if flag.kind == "no effect":
             infos.append(f"{flag.name} has no effect on this engine: {flag.note}")
         elif flag.kind == "not yet":
-            raise ConfigError(f"{flag.name}{_show(value)}: not available in nxdserve yet. {flag.note}")
+            problems.append(f"{flag.name}{_show(value)}: not available in nxdserve yet. {flag.note}")
         else:
-            raise ConfigError(f"{flag.name}{_show(value)} is not supported here: {flag.note}.")
+            problems.append(f"{flag.name}{_show(value)} is not supported here: {flag.note}.")
+    if problems:
+        raise ConfigError("\n".join(problems))
     return infos
 
 
