@@ -22,7 +22,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 HUB_IDS = [
     "Qwen/Qwen2.5-1.5B-Instruct", "NousResearch/Meta-Llama-3-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
     "facebook/opt-6.7b", "facebook/opt-125m", "mistralai/Mistral-7B-Instruct-v0.3", "gpt2", "Qwen/Qwen2-7B-Instruct",
-    "meta-llama/Llama-2-7b-hf", "openai/gpt-oss-20b", "Qwen/Qwen2.5-VL-3B-Instruct", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    "meta-llama/Llama-2-7b-hf", "openai/gpt-oss-20b", "Qwen/Qwen2.5-VL-3B-Instruct",
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
 ]  # fmt: skip
 
 
