@@ -126,7 +126,8 @@ class _DrainingServer(uvicorn.Server):
     def bound_port(self) -> int | None:
         for server in self.servers:
             for sock in server.sockets:
-                return int(sock.getsockname()[1])
+                if sock.family in (socket.AF_INET, socket.AF_INET6):  # not a --uds socket
+                    return int(sock.getsockname()[1])
         return None
 
 

@@ -18,7 +18,6 @@ from openai import AsyncOpenAI
 
 from nxdserve import cli
 from nxdserve.api.server import BackgroundServer
-from nxdserve.model_files import resolve_model
 from tests.helpers.tiny_model import tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -45,10 +44,9 @@ def tls_server(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> Iter
     cert.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
     for extra in cert.cert_chain_pems[1:]:
         extra.write_to_path(str(folder / "cert.pem"), append=True)
-    model = resolve_model(None, progress=False)
     server = start(
-        f"--model {model} --backend torch --dtype float32 --max-model-len 256 --max-num-seqs 2 "
-        "--host 127.0.0.1 --port 0 --log-level warning "
+        f"--model {tiny_model_path('llama')} --backend torch --device cpu --dtype float32 --max-model-len 256 "
+        "--max-num-seqs 2 --host 127.0.0.1 --port 0 --log-level warning "
         f"--ssl-keyfile {folder / 'key.pem'} --ssl-certfile {folder / 'cert.pem'} "
         f"--allowed-origins '[\"{ORIGIN}\"]' --allowed-methods '[\"GET\", \"POST\"]' "
         "--root-path /llm --served-model-name smol other --api-key first-key second-key "
@@ -120,18 +118,19 @@ async def test_root_path_middleware_and_keys(tls_server: BackgroundServer, ca: t
         health = await http.get("/health")
         assert health.status_code == 200 and health.headers["x-user-middleware"] == "class"
         spec = (await http.get("/openapi.json")).json()
-        assert "openapi" in spec
+        assert set(spec["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
 
 
 @pytest.fixture(scope="module")
-def sized_server() -> Iterator[BackgroundServer]:
+def sized_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     """A tiny model (2 layers x K and V x 2 KV heads x 16 dims, fp32: 128 KiB per 256-token sequence) given
-    KV space for 3.5 sequences through VLLM_CPU_KVCACHE_SPACE, and greedy 5-token defaults by override."""
+    KV space for 3.5 sequences through VLLM_CPU_KVCACHE_SPACE, and greedy 5-token defaults by override;
+    served on a Unix socket (--uds)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_CPU_KVCACHE_SPACE", str(3.5 * SLOT_BYTES / 2**30))
         server = start(
             f"--model {tiny_model_path('llama')} --backend torch --device cpu --dtype float32 --max-model-len 256 "
-            "--max-num-seqs 8 --host 127.0.0.1 --port 0 --log-level warning "
+            f"--max-num-seqs 8 --uds {tmp_path_factory.mktemp('uds') / 'nxdserve.sock'} --log-level warning "
             "--override-generation-config '{\"temperature\": 0, \"max_new_tokens\": 5}'"
         )
     yield server
@@ -142,7 +141,9 @@ async def test_kv_space_sets_the_slots_and_overrides_set_defaults(sized_server: 
     assert sized_server.engine.config.max_num_seqs == 3
     assert sized_server.engine.core.backend.runner.kv_cache.nbytes == 3 * SLOT_BYTES  # what was allocated
     assert sized_server.engine.generation_defaults == {"temperature": 0, "max_tokens": 5}
-    async with AsyncOpenAI(base_url=f"{sized_server.url}/v1", api_key="none", max_retries=0) as client:
+    transport = httpx.AsyncHTTPTransport(uds=sized_server.opts.uds)
+    async with httpx.AsyncClient(transport=transport) as http_client:
+        client = AsyncOpenAI(base_url="http://nxdserve/v1", api_key="none", max_retries=0, http_client=http_client)
         chats = [
             await client.chat.completions.create(
                 model=sized_server.engine.config.model,
