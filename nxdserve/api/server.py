@@ -208,8 +208,11 @@ def _uvicorn_config(app: Any, opts: ServeOptions) -> uvicorn.Config:
         timeout_keep_alive=30,
         **extra,
     )
+    access = logging.getLogger("uvicorn.access")
+    for old in [f for f in access.filters if isinstance(f, _ExcludePaths)]:  # a previous server's, in-process
+        access.removeFilter(old)
     if opts.access_log_exclude:
-        logging.getLogger("uvicorn.access").addFilter(_ExcludePaths(opts.access_log_exclude))
+        access.addFilter(_ExcludePaths(opts.access_log_exclude))
     return config
 
 

@@ -182,3 +182,18 @@ def test_request_log_is_bounded_by_max_log_len(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.INFO, logger="nxdserve.requests"):
         state.log_request("r1", ["abcdefghij", list(range(10))], "params")
     assert "'abcde'" in caplog.text and "abcdef" not in caplog.text and "[0, 1, 2, 3, 4]" in caplog.text
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_disable_log_stats_silences_the_throughput_line(disabled: bool, caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from nxdserve import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(EngineConfig(disable_log_stats=disabled))
+    engine._last_log -= 3600  # the log interval has passed
+    core = SimpleNamespace(prompt_tokens_total=10, generation_tokens_total=5, kv_cache_usage=0.5,
+                           scheduler=SimpleNamespace(running=[1], waiting=[]))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="nxdserve.engine.async_engine"):
+        engine._maybe_log(core)  # type: ignore[arg-type]
+    assert ("Avg prompt throughput" in caplog.text) is not disabled
