@@ -3,6 +3,9 @@
 nxdserve --model PATH [flags]        serve (``nxdserve serve [PATH] [flags]`` is the same)
 nxdserve bench ...                   -> nxdserve.bench.cli:main(argv)
 nxdserve train-eagle ...             -> nxdserve.speculative.train_eagle:main(argv)
+
+The flag definitions live in ``nxdserve.cli_args`` (one table: implemented / no effect / refused / not yet);
+this module turns parsed flags into an EngineConfig and ServeOptions and checks the combination.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ import argparse
 import importlib
 import json
 import logging
+import logging.config
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nxdserve.cli_args import API_KEY_ENVS, ServeParser, add_serve_flags, check_flags, log_infos
+from nxdserve.cli_args.config_file import expand_config_file
 from nxdserve.config import EngineConfig
 from nxdserve.errors import ConfigError
 
@@ -27,27 +34,7 @@ SUBCOMMANDS = {
     "bench": ("nxdserve.bench.cli", "main"),
     "train-eagle": ("nxdserve.speculative.train_eagle", "main"),
 }
-
-
-def _size(text: str) -> int:
-    """An integer, or vLLM's human forms: 4k = 4000, 4K = 4096, 1m = 10**6, 1M = 2**20."""
-    units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from exc
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def validate_speculative_config(spec: dict[str, Any]) -> dict[str, Any]:
@@ -64,112 +51,29 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         default = action.default
         if (
-            default in (None, False, argparse.SUPPRESS)
+            default in (None, False, argparse.SUPPRESS, [], "")
             or "default" in text
+            or text.startswith("[")
             or action.option_strings == ["-h", "--help"]
         ):
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ServeParser:
+    p = ServeParser(
         prog="nxdserve",
+        usage="nxdserve [serve] [MODEL] [--model MODEL] [flags]   (nxdserve bench|train-eagle ...)",
         description="OpenAI-compatible LLM server for AWS Neuron (NxD Inference), with a PyTorch reference\n"
-        "backend. Flags follow `vllm serve`: switching from vLLM is a change of command name.\n\n"
+        "backend. Flags follow `vllm serve`: switching from vLLM is a change of command name.\n"
+        "Every vLLM flag is accepted; [no effect] ones log why, [refused] and [not yet] ones stop start-up\n"
+        "when given a value that would matter (docs/flags.md has the table).\n\n"
         "  nxdserve --model PATH [flags]     serve (also: nxdserve serve PATH [flags])\n"
         "  nxdserve bench ...                benchmark a running server (nxdserve bench --help)\n"
         "  nxdserve train-eagle ...          train an EAGLE draft head",
         formatter_class=_HelpFormatter,
     )
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help="HF folder, GGUF file or hub id; default: the embedded model")
-    m.add_argument("--tokenizer", default=None, help="tokenizer location if not the model's")
-    m.add_argument("--served-model-name", nargs="+", default=None, help="names clients may use; first is reported")
-    m.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights and compute dtype"
-    )
-    m.add_argument("--max-model-len", type=_size, default=None, help="context length (default: min(model, 2048))")
-    m.add_argument(
-        "--generation-config",
-        default="auto",
-        choices=["auto", "vllm"],
-        help="auto: sampling defaults from the model's generation_config.json; vllm: vLLM's defaults",
-    )
-    m.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default: 0)")
-    m.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
-
-    b = p.add_argument_group("backend")
-    b.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "torch", "nxd"],
-        help="auto: nxd where NxD Inference and a Neuron device exist, else torch",
-    )
-    b.add_argument("--device", default="auto", help="torch backend: auto | cpu | cuda")
-    b.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    b.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="NxD tensor parallel degree")
-    b.add_argument(
-        "--override-neuron-config", type=_json_object, default=None, help="JSON merged into NxD's NeuronConfig"
-    )
-    b.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        default=None,
-        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'',
-    )
-
-    s = p.add_argument_group("scheduling")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="concurrent sequences (KV slots)")
-    s.add_argument(
-        "--max-num-batched-tokens",
-        type=_size,
-        default=None,
-        help="tokens per step (default: chunked 512, 128 for the torch backend on CPU; prefill-first max_model_len)",
-    )
-    s.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="chunked prefill mixed with decodes; --no-enable-chunked-prefill: prefill-first",
-    )
-    s.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="a new prompt reuses the KV a free slot still holds for its first tokens (off by default, unlike vLLM)",
-    )
-    s.add_argument("--long-prefill-token-threshold", type=int, default=0, help="max chunk per request (0: none)")
-    s.add_argument("--max-num-partial-prefills", type=int, default=1, help="concurrent partial prefills")
-    s.add_argument(
-        "--whole-prompt-overflow",
-        type=int,
-        default=None,
-        help="chunked mode: tokens a step may exceed --max-num-batched-tokens by to run a short prompt whole "
-        "instead of splitting it (default: 64 with the CPU default budget of 128, else 0)",
-    )
-    s.add_argument(
-        "--max-consecutive-prefill-steps",
-        type=int,
-        default=1,
-        help="prefill-first: prefill steps in a row while decodes wait",
-    )
-    s.add_argument("--max-waiting", type=int, default=None, help="queue bound; beyond it requests get 503")
-
-    h = p.add_argument_group("server")
-    h.add_argument("--host", default="0.0.0.0", help="address to bind (vLLM's default: all interfaces)")
-    h.add_argument("--port", type=int, default=8000, help="port to bind")
-    h.add_argument("--api-key", default=None, help=f"require this bearer key on /v1/* (or ${API_KEY_ENV})")
-    h.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may run on after SIGTERM/SIGINT"
-    )
-    h.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
-    h.add_argument(
-        "--log-level",
-        default="info",
-        help="log verbosity",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
+    add_serve_flags(p)
     return p
 
 
@@ -179,9 +83,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         tokenizer=args.tokenizer,
         served_model_name=list(args.served_model_name or []),
-        backend=args.backend,
-        dtype=args.dtype,
-        device=args.device,
+        # vLLM's --device neuron (Neuron's legacy guides) is this project's nxd backend.
+        backend="nxd" if args.device == "neuron" and args.backend == "auto" else args.backend,
+        dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype),
+        device="auto" if args.device == "neuron" else args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -195,25 +100,148 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         speculative_config=spec,
         tensor_parallel_size=args.tensor_parallel_size,
-        override_neuron_config=args.override_neuron_config,
+        override_neuron_config=_neuron_overrides(args),
         num_threads=args.num_threads,
+        revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision,
+        download_dir=args.download_dir,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        disable_log_stats=args.disable_log_stats,
     )
+
+
+def _neuron_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--override-neuron-config, with vllm-neuron's --additional-config '{"override_neuron_config": ...}'."""
+    extra = dict(args.additional_config or {})
+    from_additional = extra.pop("override_neuron_config", None)
+    if "neuron_config" in extra:
+        raise ConfigError(
+            "--additional-config: neuron_config is the vLLM Neuron plugin's own namespace (bucketing, ...), "
+            "which nxdserve does not read; pass NxD Inference NeuronConfig fields as "
+            '\'{"override_neuron_config": {...}}\' or --override-neuron-config.'
+        )
+    if extra:
+        raise ConfigError(
+            f"--additional-config: keys {sorted(extra)} are not supported; only override_neuron_config is."
+        )
+    if from_additional is not None and not isinstance(from_additional, dict):
+        raise ConfigError("--additional-config: override_neuron_config must be a JSON object.")
+    if from_additional is None:
+        return args.override_neuron_config  # type: ignore[no-any-return]
+    return {**from_additional, **(args.override_neuron_config or {})}
+
+
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """--api-key, else VLLM_API_KEY, else NXDSERVE_API_KEY (the first set wins, as vLLM reads its variable)."""
+    if args.api_key:
+        return list(args.api_key)
+    for name in API_KEY_ENVS:
+        if os.environ.get(name):
+            return [os.environ[name]]
+    return []
 
 
 def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
     from nxdserve.api.server import ServeOptions
 
+    keys = api_keys_from_args(args)
+    log_requests = not args.disable_log_requests if args.enable_log_requests is None else args.enable_log_requests
+    exclude = [p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()]
     return ServeOptions(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        uds=args.uds,
+        api_key=keys[0] if len(keys) == 1 else (keys or None),
         served_model_names=list(args.served_model_name or []),
         drain_timeout=args.drain_timeout,
-        log_requests=not args.disable_log_requests,
+        log_requests=log_requests,
         log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        access_log_exclude=exclude,
+        max_log_len=args.max_log_len,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        ssl_ciphers=args.ssl_ciphers,
+        allowed_origins=list(args.allowed_origins),
+        allowed_methods=list(args.allowed_methods),
+        allowed_headers=list(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path or "",
+        middleware=list(args.middleware),
+        enable_docs=not args.disable_fastapi_docs,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        uvloop=args.uvloop,
+        log_config_file=args.log_config_file,
     )
+
+
+def check_combination(args: argparse.Namespace) -> list[str]:
+    """Refusals that depend on more than one flag; returns extra info lines."""
+    if args.pipeline_parallel_size != 1:
+        raise ConfigError(
+            f"--pipeline-parallel-size {args.pipeline_parallel_size} is not supported: no backend here runs "
+            "pipeline stages. Use --tensor-parallel-size on the nxd backend (Neuron) to spread a large model."
+        )
+    if (args.ssl_keyfile and not args.ssl_certfile) or (args.ssl_certfile and not args.ssl_keyfile):
+        raise ConfigError("--ssl-keyfile and --ssl-certfile must be given together.")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "log_config_file"):
+        value = getattr(args, name)
+        if value and not Path(value).is_file():
+            raise ConfigError(f"--{name.replace('_', '-')} {value!r}: no such file.")
+    if args.uds and Path(args.uds).is_dir():
+        raise ConfigError(f"--uds {args.uds!r} is a folder; give a socket file path.")
+    _check_model_is_local(args)
+    infos = []
+    if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
+        raise ConfigError("--quantization gguf: --model must be a .gguf file.")
+    if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).is_dir():
+        raise ConfigError(
+            f"--generation-config {args.generation_config!r}: expected auto, vllm or a folder holding "
+            "generation_config.json."
+        )
+    if args.enable_log_requests is False and args.disable_log_requests:
+        infos.append("--disable-log-requests and --no-enable-log-requests both turn request logging off")
+    return infos
+
+
+def _check_model_is_local(args: argparse.Namespace) -> None:
+    """A hub id must already be in a local cache: fail now, naming where it was looked for, not after the
+    server stack has started. (Local folders and .gguf files are checked when they load.)"""
+    from nxdserve.model_files import looks_like_hub_id, resolve_model
+
+    wanted = ((args.model, args.revision, True), (args.tokenizer, args.tokenizer_revision, False))
+    for name, revision, weights in wanted:
+        if name is not None and looks_like_hub_id(name) and not Path(name).expanduser().exists():
+            resolve_model(name, revision=revision, download_dir=args.download_dir, require_weights=weights)
+
+
+def normalize_flag_spelling(argv: Sequence[str]) -> list[str]:
+    """vLLM accepts ``--gpu_memory_utilization`` for ``--gpu-memory-utilization`` (its docs use both)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def plan(argv: Sequence[str]) -> tuple[EngineConfig, ServeOptions, list[str]]:
+    """Parse a serve command line into what the server would run with, without loading anything:
+    (engine config, server options, the info lines start-up logs). Raises ConfigError for refused flags;
+    argparse's SystemExit for unknown ones."""
+    parser = build_parser()
+    args = parser.parse_args(normalize_flag_spelling(expand_config_file(list(argv))))
+    infos = check_flags(parser.flags, args)
+    infos += check_combination(args)
+    return engine_config_from_args(args), serve_options_from_args(args), infos
 
 
 def _dispatch(name: str, argv: list[str]) -> int:
@@ -229,7 +257,10 @@ def _dispatch(name: str, argv: list[str]) -> int:
     return int(result or 0)
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, config_file: str | None = None) -> None:
+    if config_file:
+        logging.config.dictConfig(json.loads(Path(config_file).read_text()))
+        return
     numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper())
     logging.basicConfig(level=numeric, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -243,18 +274,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args_list and not args_list[0].startswith("-"):  # `vllm serve MODEL` form
             args_list = ["--model", args_list[0], *args_list[1:]]
     parser = build_parser()
-    args = parser.parse_args(args_list)
     try:
-        config = engine_config_from_args(args)
+        config, opts, infos = plan(args_list)
     except ConfigError as exc:
         parser.error(str(exc))
-    _configure_logging(args.log_level)
+    _configure_logging(opts.log_level, opts.log_config_file)
+    log_infos(infos)
 
     from nxdserve.api.server import run_server_loop, serve
 
-    opts = serve_options_from_args(args)
     try:
-        return run_server_loop(lambda: serve(config, opts))
+        return run_server_loop(lambda: serve(config, opts), use_uvloop=opts.uvloop)
     except ConfigError as exc:
         logging.getLogger("nxdserve").error("%s", exc)
         return 2

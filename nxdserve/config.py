@@ -55,11 +55,20 @@ class EngineConfig:
     max_waiting: int | None = None  # None: unbounded queue
     seed: int = 0
     max_logprobs: int = 20
-    generation_config: Literal["auto", "vllm"] = "auto"
+    generation_config: str = "auto"  # auto | vllm | a folder holding generation_config.json
+    override_generation_config: dict[str, Any] | None = None  # merged over the generation config's defaults
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     override_neuron_config: dict[str, Any] | None = None
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # Hub ids are looked up in the local Hugging Face cache only (download_dir: a cache root to look in).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    # KV cache sizing: when either is set, max_num_seqs is lowered to the slots that fit (see engine.kv_sizing).
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    disable_log_stats: bool = False
 
     def resolve(
         self,

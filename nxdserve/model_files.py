@@ -57,18 +57,29 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model(model: str | None, progress: bool = True) -> Path:
+def resolve_model(
+    model: str | None,
+    progress: bool = True,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    require_weights: bool = True,
+) -> Path:
     """Return a local HF model folder for ``model``; never downloads.
 
     ``None``: the embedded default model (converted once into the cache). A local folder with a
     config.json: used as is. A local ``.gguf`` file: converted once into the cache. A hub id is
-    accepted only when it is already in the local Hugging Face cache.
+    accepted only when it is already in a local Hugging Face cache (``download_dir``, then
+    ``$HF_HUB_CACHE`` / ``$HF_HOME/hub``), at ``revision`` (a branch, tag or commit; default main).
+    ``require_weights=False``: a tokenizer's folder (no config.json or weights needed).
     """
     if model is None:
         return _converted_gguf(default_gguf_path(), DEFAULT_MODEL_NAME, progress)
     path = Path(model).expanduser()
     if path.is_dir():
-        _check_hf_folder(path)
+        if revision is not None:
+            logger.warning("revision %r applies to hub ids; %s is a local folder, used as it is", revision, path)
+        if require_weights:
+            _check_hf_folder(path)
         return path.resolve()
     if path.is_file() and path.suffix == ".gguf":
         src = path.resolve()
@@ -78,14 +89,59 @@ def resolve_model(model: str | None, progress: bool = True) -> Path:
         return _converted_gguf(src, f"{src.stem}-{key}", progress)
     if path.exists():
         raise ConfigError(f"--model {model!r} is neither a model folder nor a .gguf file.")
-    local = _local_hub_snapshot(model)
-    if local is not None:
-        _check_hf_folder(local)
-        return local
+    if not looks_like_hub_id(model):
+        raise ConfigError(f"Model {model!r} was not found: no such folder or .gguf file.")
+    looked: list[str] = []
+    for cache in hub_cache_dirs(download_dir):
+        local = hub_snapshot(cache, model, revision or "main")
+        if local is not None:
+            if require_weights:
+                _check_hf_folder(local)
+            logger.info("%s (revision %s) found in the local Hugging Face cache: %s", model, revision or "main", local)
+            return local
+        looked.append(str(cache / _repo_folder(model)))
     raise ConfigError(
-        f"Model {model!r} was not found: it is not a local folder or .gguf file, and not in the local "
-        "Hugging Face cache (nxdserve never downloads weights)."
+        f"Model {model!r} (revision {revision or 'main'}) was not found: it is not a local folder or .gguf file, "
+        f"and not in a local Hugging Face cache (looked in {', '.join(looked)}). nxdserve never downloads: "
+        f"fetch it where there is network (`huggingface-cli download {model}`) and pass its folder, or point "
+        "HF_HUB_CACHE / HF_HOME / --download-dir at the cache that holds it."
     )
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name`` or ``name``: not a path (no leading / . ~, at most one slash, no .gguf suffix)."""
+    return bool(name.strip()) and not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and not (
+        name.endswith(".gguf")
+    )
+
+
+def hub_cache_dirs(download_dir: str | None = None) -> list[Path]:
+    """Where hub ids are looked for: --download-dir, then the Hugging Face hub cache ($HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub), read now so the environment of this start-up counts."""
+    dirs = [Path(download_dir).expanduser()] if download_dir else []
+    hub = os.environ.get("HF_HUB_CACHE")
+    if hub:
+        dirs.append(Path(hub).expanduser())
+    else:
+        home = os.environ.get("HF_HOME")
+        dirs.append(Path(home).expanduser() / "hub" if home else Path.home() / ".cache" / "huggingface" / "hub")
+    return list(dict.fromkeys(dirs))
+
+
+def _repo_folder(repo_id: str) -> str:
+    return "models--" + repo_id.replace("/", "--")
+
+
+def hub_snapshot(cache: Path, repo_id: str, revision: str) -> Path | None:
+    """The snapshot folder of ``repo_id`` at ``revision`` in a hub cache laid out as huggingface_hub lays it
+    out: ``models--org--name/refs/<branch or tag>`` holds a commit hash, ``snapshots/<commit>/`` the files."""
+    if not looks_like_hub_id(repo_id):
+        return None
+    repo = cache / _repo_folder(repo_id)
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = repo / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -106,18 +162,6 @@ def _check_hf_folder(path: Path) -> None:
         raise ConfigError(f"Model folder {path} has no config.json.")
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"Model folder {path} has no .safetensors weights (other formats are not supported).")
-
-
-def _local_hub_snapshot(repo_id: str) -> Path | None:
-    """A hub id already in the local HF cache, looked up with network access disabled."""
-    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".")):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # not cached (LocalEntryNotFoundError) or an invalid id: both mean "not local"
-        return None
 
 
 def _is_complete(folder: Path) -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -19,7 +20,7 @@ from starlette.routing import Route
 from nxdserve.api.chat import create_chat_completion, render_prompt
 from nxdserve.api.completions import create_completion
 from nxdserve.api.errors import APIError, handle_exception
-from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware
+from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware, load_user_middleware
 from nxdserve.api.openapi import openapi_schema
 from nxdserve.api.params import check_token_ids
 from nxdserve.api.protocol import DetokenizeRequest, TokenizeRequest
@@ -31,8 +32,12 @@ from nxdserve.api.responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from nxdserve.api.responses_api import RESPONSES_ROUTES, ResponseStore
 from nxdserve.api.state import ServerState, get_state, parse
 from nxdserve.errors import NxdServeError
+
+if TYPE_CHECKING:
+    from nxdserve.api.server import ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -131,28 +136,43 @@ ROUTES = [
     Route("/version", version, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
-    Route("/openapi.json", openapi, methods=["GET"]),
+    *RESPONSES_ROUTES,
 ]
+DOCS_ROUTES = [Route("/openapi.json", openapi, methods=["GET"])]
 
 
 def create_app(
     engine: Any,
     served_model_names: list[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     log_requests: bool = False,
+    opts: ServeOptions | None = None,
 ) -> Starlette:
     """The ASGI app over a started AsyncEngine. ``served_model_names`` defaults to the engine's
-    configured names; the first name is the one responses report."""
+    configured names; the first name is the one responses report. ``opts``: CORS, --middleware,
+    --max-log-len and --disable-fastapi-docs (None: the defaults)."""
     names = list(served_model_names or engine.config.served_model_name or [])
     if not names:
         # As vLLM: the --model argument as given; for the embedded model, its folder name. Both
         # match the model_name label the engine puts on its metrics.
         names = [engine.config.model or Path(str(engine.model_path)).name]
-    middleware = [Middleware(RequestIdMiddleware)]
+    # Outermost first: CORS answers preflights and decorates every response (401s included, so a browser
+    # sees the real error); the user's middleware wraps everything of ours, as vLLM adds it last.
+    middleware = [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=opts.allowed_origins if opts else ["*"],
+            allow_methods=opts.allowed_methods if opts else ["*"],
+            allow_headers=opts.allowed_headers if opts else ["*"],
+            allow_credentials=opts.allow_credentials if opts else False,
+        ),
+        *(load_user_middleware(path) for path in (opts.middleware if opts else [])),
+        Middleware(RequestIdMiddleware),
+    ]
     if api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
     app = Starlette(
-        routes=ROUTES,
+        routes=ROUTES + (DOCS_ROUTES if opts is None or opts.enable_docs else []),
         middleware=middleware,
         # Known failures go to ExceptionMiddleware (answered, not re-raised); ``Exception`` goes to
         # ServerErrorMiddleware, which answers a 500 in the envelope and re-raises so it is logged.
@@ -165,6 +185,11 @@ def create_app(
         },
     )
     app.state.nxdserve = ServerState(
-        engine=engine, served_model_names=names, api_key=api_key, log_requests=log_requests
+        engine=engine,
+        served_model_names=names,
+        api_key=api_key,
+        log_requests=log_requests,
+        max_log_len=opts.max_log_len if opts else None,
+        responses=ResponseStore(),
     )
     return app

@@ -1,15 +1,44 @@
-"""Pure-ASGI middleware (BaseHTTPMiddleware would buffer streams and hide disconnects)."""
+"""Pure-ASGI middleware (BaseHTTPMiddleware would buffer streams and hide disconnects; only a user's
+--middleware function is wrapped in it, as FastAPI's ``@app.middleware("http")`` does)."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import secrets
+from collections.abc import Sequence
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nxdserve.api.errors import APIError
+from nxdserve.errors import ConfigError
 
 GUARDED_PREFIXES = ("/v1",)  # vLLM guards /v1 only: /health, /metrics, /tokenize stay open
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: uvicorn puts --root-path in front of the request path."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def load_user_middleware(import_path: str) -> Middleware:
+    """--middleware: ``module.attr`` naming an ASGI middleware class (wrapped around the app as is) or an
+    async function ``(request, call_next) -> response`` (as FastAPI's ``@app.middleware("http")``)."""
+    module_name, _, attr = import_path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"--middleware {import_path!r}: cannot import it: {exc}") from exc
+    if inspect.isclass(target):
+        return Middleware(target)
+    if inspect.iscoroutinefunction(target):
+        return Middleware(BaseHTTPMiddleware, dispatch=target)
+    raise ConfigError(f"--middleware {import_path!r}: not a class or an async function.")
 
 
 class RequestIdMiddleware:
@@ -38,17 +67,24 @@ class RequestIdMiddleware:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/*; 401 in the error envelope otherwise."""
+    """``Authorization: Bearer <key>`` on /v1/* (any of the keys); 401 in the error envelope otherwise.
+    The path is matched below --root-path, so a proxy prefix does not unguard the routes."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self.expected = [f"Bearer {key}".encode() for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(GUARDED_PREFIXES):
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and route_path(scope).startswith(GUARDED_PREFIXES)
+        ):
             given = Headers(scope=scope).get("authorization", "").encode()
-            # Constant-time comparison: the key must not leak through response timing.
-            if not secrets.compare_digest(given, self.expected):
+            # Constant-time comparisons, each key checked: the keys must not leak through response timing.
+            matches = [secrets.compare_digest(given, expected) for expected in self.expected]
+            if not any(matches):
                 response = APIError("Unauthorized", status=401).response()
                 await response(scope, receive, send)
                 return

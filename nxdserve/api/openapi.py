@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from nxdserve.api import protocol, responses
+from nxdserve.api.responses_api import protocol as responses_api
 
 # path -> (method, summary, request model or None, response model or None, streams SSE)
 _ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None, bool]] = [
@@ -23,6 +24,10 @@ _ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
         True,
     ),
     ("/v1/models", "get", "List the served models", None, responses.ModelList, False),
+    # Streams OpenAI's typed Responses events (response.created, response.output_text.delta, ...).
+    ("/v1/responses", "post", "Create a response", responses_api.ResponsesRequest, responses_api.ResponseObject, False),
+    ("/v1/responses/{response_id}", "get", "Retrieve a stored response", None, responses_api.ResponseObject, False),
+    ("/v1/responses/{response_id}", "delete", "Delete a stored response", None, None, False),
     (
         "/tokenize",
         "post",
@@ -52,7 +57,8 @@ def openapi_schema(version: str) -> dict[str, Any]:
     models: list[type[BaseModel]] = [responses.ErrorResponse, *_STREAM_CHUNKS.values()]
     for _, _, _, req, resp, _ in _ENDPOINTS:
         models += [m for m in (req, resp) if m is not None]
-    inputs = [(m, "validation" if m.__module__ == protocol.__name__ else "serialization") for m in models]
+    requests = {req for _, _, _, req, _, _ in _ENDPOINTS if req is not None}
+    inputs = [(m, "validation" if m in requests else "serialization") for m in models]
     _, top = models_json_schema(inputs, ref_template=_REF)  # type: ignore[arg-type]
     error = {"description": "Error", "content": {"application/json": {"schema": _ref(responses.ErrorResponse)}}}
     paths: dict[str, Any] = {}
@@ -66,7 +72,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
         }
         if req is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(req)}}}
-        paths[path] = {method: op}
+        paths.setdefault(path, {})[method] = op
     return {
         "openapi": "3.1.0",
         "info": {"title": "nxdserve OpenAI-compatible API", "version": version},

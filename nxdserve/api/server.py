@@ -6,7 +6,7 @@ On this project's 2-core CPU machine the loop shares the cores with the forward,
 Over workload a (64 streamed requests; three servers, 6 interleaved rounds) the loop thread used 0.31-0.33 CPU-s
 with uvloop and httptools, 0.34-0.37 with asyncio and httptools, 0.35-0.37 with asyncio and h11; mean TTFT
 190-208, 191-207 and 195-211 ms: the loop's CPU is ~10% less, the served figures inside their spread.
-``NXDSERVE_UVLOOP=0`` keeps asyncio's loop (A/B measurements).
+``--no-uvloop`` (or ``NXDSERVE_UVLOOP=0``, kept for scripts) keeps asyncio's loop (A/B measurements).
 
 Shutdown order: the signal makes uvicorn stop listening; at the same moment the engine stops
 accepting and lets in-flight requests finish for up to ``drain_timeout`` seconds, then aborts the
@@ -43,9 +43,10 @@ _SHUTDOWN_GRACE_S = 3.0
 _PROGRESS_INTERVAL_S = 5.0
 
 
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop constructor where uvloop is installed and not turned off, else None (asyncio's own)."""
-    if os.environ.get("NXDSERVE_UVLOOP", "1") == "0":
+def event_loop_factory(use_uvloop: bool | None = None) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop constructor where uvloop is installed and not turned off, else None (asyncio's own).
+    ``use_uvloop``: the --uvloop flag; None defers to NXDSERVE_UVLOOP (on unless "0")."""
+    if use_uvloop is False or (use_uvloop is None and os.environ.get("NXDSERVE_UVLOOP", "1") == "0"):
         return None
     try:
         import uvloop
@@ -54,21 +55,47 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
-def run_server_loop(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+def run_server_loop(main: Callable[[], Coroutine[Any, Any, T]], use_uvloop: bool | None = None) -> T:
     """Run ``main()`` to completion on a new event loop of ``event_loop_factory``'s kind."""
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory(use_uvloop)) as runner:
         return runner.run(main())
 
 
 @dataclass
 class ServeOptions:
+    """The HTTP server's settings (vLLM's FrontendArgs that apply here)."""
+
     host: str = "0.0.0.0"
     port: int = 8000
-    api_key: str | None = None
+    uds: str | None = None  # a Unix socket path: host and port are then unused
+    api_key: str | list[str] | None = None  # one key, or several (any one is accepted)
     served_model_names: list[str] = field(default_factory=list)
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     log_requests: bool = True
     log_level: str = "info"
+    uvicorn_log_level: str | None = None  # None: log_level
+    access_log: bool = True
+    access_log_exclude: list[str] = field(default_factory=list)  # paths without access log lines
+    max_log_len: int | None = None  # prompt characters / token ids per request log line; None: all
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE
+    ssl_ciphers: str | None = None
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    root_path: str = ""
+    middleware: list[str] = field(default_factory=list)  # import paths of user ASGI middleware
+    enable_docs: bool = True  # /openapi.json
+    h11_max_incomplete_event_size: int | None = None
+    uvloop: bool | None = None  # None: NXDSERVE_UVLOOP decides
+    log_config_file: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
 
 class _DrainingServer(uvicorn.Server):
@@ -99,7 +126,8 @@ class _DrainingServer(uvicorn.Server):
     def bound_port(self) -> int | None:
         for server in self.servers:
             for sock in server.sockets:
-                return int(sock.getsockname()[1])
+                if sock.family in (socket.AF_INET, socket.AF_INET6):  # not a --uds socket
+                    return int(sock.getsockname()[1])
         return None
 
 
@@ -141,17 +169,51 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
+class _ExcludePaths(logging.Filter):
+    """Drops uvicorn access log records for the given paths (--disable-access-log-for-endpoints)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access record args: (client, method, path with query, http version, status)
+        if isinstance(args, tuple) and len(args) >= 3:
+            return str(args[2]).split("?", 1)[0] not in self.paths
+        return True
+
+
 def _uvicorn_config(app: Any, opts: ServeOptions) -> uvicorn.Config:
-    return uvicorn.Config(
+    extra: dict[str, Any] = {}
+    if opts.h11_max_incomplete_event_size is not None:
+        extra["h11_max_incomplete_event_size"] = opts.h11_max_incomplete_event_size
+    if opts.ssl_ciphers:
+        extra["ssl_ciphers"] = opts.ssl_ciphers
+    config = uvicorn.Config(
         app,
         host=opts.host,
         port=opts.port,
-        log_level=opts.log_level.lower(),
-        access_log=opts.log_requests,
+        uds=opts.uds,
+        log_level=(opts.uvicorn_log_level or opts.log_level).lower(),
+        log_config=None if opts.log_config_file else uvicorn.config.LOGGING_CONFIG,
+        access_log=opts.access_log,
+        root_path=opts.root_path,
+        ssl_keyfile=opts.ssl_keyfile,
+        ssl_certfile=opts.ssl_certfile,
+        ssl_ca_certs=opts.ssl_ca_certs,
+        ssl_cert_reqs=opts.ssl_cert_reqs,
         lifespan="off",  # the engine's life is managed here, around uvicorn
         timeout_graceful_shutdown=int(opts.drain_timeout + _SHUTDOWN_GRACE_S),
         timeout_keep_alive=30,
+        **extra,
     )
+    access = logging.getLogger("uvicorn.access")
+    for old in [f for f in access.filters if isinstance(f, _ExcludePaths)]:  # a previous server's, in-process
+        access.removeFilter(old)
+    if opts.access_log_exclude:
+        access.addFilter(_ExcludePaths(opts.access_log_exclude))
+    return config
 
 
 async def serve(engine_config: Any, opts: ServeOptions) -> int:
@@ -180,7 +242,9 @@ async def serve(engine_config: Any, opts: ServeOptions) -> int:
         if stop_requested:
             await engine.shutdown(drain_timeout=0)
             return 0
-        app = create_app(engine, opts.served_model_names or None, opts.api_key, log_requests=opts.log_requests)
+        app = create_app(
+            engine, opts.served_model_names or None, opts.api_key, log_requests=opts.log_requests, opts=opts
+        )
         names = app.state.nxdserve.served_model_names
         _freeze_startup_heap()
 
@@ -188,8 +252,9 @@ async def serve(engine_config: Any, opts: ServeOptions) -> int:
             assert server is not None
             port = server.bound_port() or opts.port
             host = "127.0.0.1" if opts.host in ("0.0.0.0", "", "::") else opts.host
+            where = f"unix:{opts.uds}" if opts.uds else f"{opts.scheme}://{host}:{port}{opts.root_path}/v1"
             print(
-                f"nxdserve ready: {', '.join(names)} at http://{host}:{port}/v1 "
+                f"nxdserve ready: {', '.join(names)} at {where} "
                 f"(backend={engine.backend_name}, scheduling={engine.config.scheduling_mode})",
                 flush=True,
             )
@@ -224,7 +289,7 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.opts.host}:{self.port}"
+        return f"{self.opts.scheme}://{self.opts.host}:{self.port}"
 
     def start(self, timeout: float = 600.0) -> BackgroundServer:
         self._thread.start()
@@ -245,7 +310,7 @@ class BackgroundServer:
 
     def _run(self) -> None:
         try:
-            run_server_loop(self._main)
+            run_server_loop(self._main, use_uvloop=self.opts.uvloop)
         except BaseException as exc:
             self._error = exc
         finally:
@@ -259,7 +324,7 @@ class BackgroundServer:
             self._error = exc
             self._ready.set()
             raise
-        app = create_app(self.engine, self.opts.served_model_names or None, self.opts.api_key)
+        app = create_app(self.engine, self.opts.served_model_names or None, self.opts.api_key, opts=self.opts)
 
         def ready() -> None:
             assert self._server is not None

@@ -17,7 +17,6 @@ from nxdserve.api.errors import APIError, format_validation_error, model_not_fou
 logger = logging.getLogger("nxdserve.requests")
 
 REQUEST_ID_HEADER = "x-request-id"
-_LOG_PROMPT_CHARS = 200
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -25,14 +24,16 @@ M = TypeVar("M", bound=BaseModel)
 class ServerState:
     engine: Any  # nxdserve.AsyncEngine (duck-typed so framing tests can use a stand-in)
     served_model_names: list[str]
-    api_key: str | None = None
+    api_key: str | list[str] | None = None
     log_requests: bool = False
+    max_log_len: int | None = None  # --max-log-len: prompt characters / token ids per log line; None: all
+    responses: Any = None  # the Responses API's store (responses_api.ResponseStore)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def log_request(self, request_id: str, prompts: Sequence[str | list[int]], params: Any) -> None:
         if not self.log_requests:
             return
-        shown = [p[:_LOG_PROMPT_CHARS] if isinstance(p, str) else f"<{len(p)} token ids>" for p in prompts]
+        shown = [p[: self.max_log_len] for p in prompts]
         logger.info("Received request %s: prompts=%r, params=%s", request_id, shown, params)
 
     @property

@@ -373,6 +373,8 @@ class AsyncEngine:
                 stream.put(EngineDeadError(message))
 
     def _maybe_log(self, core: EngineCore) -> None:
+        if self.config.disable_log_stats:  # --disable-log-stats
+            return
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed < _LOG_INTERVAL_S:

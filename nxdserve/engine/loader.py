@@ -14,6 +14,8 @@ from nxdserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# --override-generation-config keys: the sampling defaults, and the default length under either name.
+_OVERRIDE_KEYS = frozenset({*_GENERATION_DEFAULT_KEYS, "max_new_tokens", "max_tokens"})
 
 
 @dataclass
@@ -30,8 +32,17 @@ def load_model_files(config: EngineConfig) -> ModelFiles:
 
     from nxdserve.model_files import load_hf_config, resolve_model
 
-    path = Path(resolve_model(config.model))
-    tokenizer_path = Path(resolve_model(config.tokenizer)) if config.tokenizer else path
+    path = Path(resolve_model(config.model, revision=config.revision, download_dir=config.download_dir))
+    tokenizer_path = path
+    if config.tokenizer:
+        tokenizer_path = Path(
+            resolve_model(
+                config.tokenizer,
+                revision=config.tokenizer_revision,
+                download_dir=config.download_dir,
+                require_weights=False,
+            )
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad folder
@@ -39,20 +50,47 @@ def load_model_files(config: EngineConfig) -> ModelFiles:
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigError(f"the tokenizer at {tokenizer_path} has no fast (tokenizers) backend")
     hf_config = load_hf_config(path)
-    defaults: dict[str, float | int] = {}
     eos_ids: list[int] = []
     gen_file = path / "generation_config.json"
     if gen_file.exists():
-        gen = json.loads(gen_file.read_text())
-        eos = gen.get("eos_token_id")
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        if config.generation_config == "auto":
+    defaults = generation_defaults(config, path)
+    return ModelFiles(path, tokenizer, hf_config, defaults, eos_ids)
+
+
+def generation_defaults(config: EngineConfig, model_path: Path) -> dict[str, float | int]:
+    """The sampling defaults a request's omitted fields take, as vLLM derives them: the generation config's
+    (``auto``: the model's generation_config.json; a folder: its generation_config.json; ``vllm``: none),
+    then --override-generation-config merged on top. Logged when there are any."""
+    source = {"auto": model_path, "vllm": None}.get(config.generation_config, Path(config.generation_config))
+    defaults: dict[str, float | int] = {}
+    if source is not None:
+        gen_file = Path(source) / "generation_config.json"
+        if gen_file.is_file():
+            gen = json.loads(gen_file.read_text())
             defaults = {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
             if gen.get("max_new_tokens") is not None:
                 defaults["max_tokens"] = gen["max_new_tokens"]
-            if defaults:
-                logger.info("default sampling parameters from the model's generation_config.json: %s", defaults)
-    return ModelFiles(path, tokenizer, hf_config, defaults, eos_ids)
+        elif config.generation_config != "auto":
+            raise ConfigError(f"--generation-config {config.generation_config}: no generation_config.json there.")
+    overrides = dict(config.override_generation_config or {})
+    unknown = sorted(set(overrides) - _OVERRIDE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"--override-generation-config: unsupported keys {unknown}; supported: {sorted(_OVERRIDE_KEYS)}."
+        )
+    if "max_new_tokens" in overrides:
+        overrides["max_tokens"] = overrides.pop("max_new_tokens")
+    defaults.update(overrides)
+    if defaults:
+        logger.info(
+            "default sampling parameters (generation config %s%s): %s",
+            config.generation_config,
+            " + --override-generation-config" if overrides else "",
+            defaults,
+        )
+    return defaults
 
 
 def max_positions(hf_config: Any) -> int | None:
@@ -74,6 +112,28 @@ def default_chunked_budget(config: EngineConfig) -> int:
     return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
 
 
+def size_kv_cache(config: EngineConfig, files: ModelFiles) -> None:
+    """Lower max_num_seqs to the KV slots that fit the space the flags give (engine.kv_sizing)."""
+    from nxdserve.engine.backends import nxd_status
+    from nxdserve.engine.kv_sizing import fit_slots, kv_budget, kv_bytes_per_slot
+
+    asked = config.gpu_memory_utilization is not None or config.kv_cache_memory_bytes is not None
+    if config.backend == "nxd" or (config.backend == "auto" and nxd_status()[0]):
+        if asked:
+            logger.info("the nxd backend compiles its KV cache for --max-num-seqs x --max-model-len; "
+                        "--gpu-memory-utilization / --kv-cache-memory-bytes do not change it")  # fmt: skip
+        return
+    from nxdserve.engine.models import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    budget = kv_budget(config, device.type, files.path)
+    if budget is None:
+        return
+    assert config.max_model_len is not None
+    dtype_bytes = resolve_dtype(config.dtype, device).itemsize
+    fit_slots(config, budget, kv_bytes_per_slot(files.hf_config, config.max_model_len, dtype_bytes))
+
+
 def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[Any, ModelFiles]:
     """Load everything and return a ready EngineCore (synchronous; used by AsyncEngine and tests)."""
     from nxdserve.engine.backends import create_backend
@@ -82,6 +142,7 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
 
     files = load_model_files(config)
     config.resolve(max_positions(files.hf_config), chunked_token_budget=default_chunked_budget(config))
+    size_kv_cache(config, files)
     backend = create_backend(config, files.path)
     extra = set(files.generation_eos_ids)
     name = config.served_model_name[0] if config.served_model_name else (config.model or files.path.name)
