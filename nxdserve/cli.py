@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nxdserve.config import EngineConfig
+from nxdserve.cpu_options import add_cpu_arguments, cpu_options_from_args, set_openmp_wait_policy
 from nxdserve.errors import ConfigError
 
 if TYPE_CHECKING:  # the server stack is imported only when serving, so `nxdserve bench` starts fast
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    add_cpu_arguments(p)
     return p
 
 
@@ -199,6 +201,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         override_neuron_config=args.override_neuron_config,
         num_threads=args.num_threads,
+        cpu=cpu_options_from_args(args),
     )
 
 
@@ -235,6 +238,7 @@ def _configure_logging(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_openmp_wait_policy()  # before anything loads torch (and its OpenMP runtime)
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in SUBCOMMANDS:
         return _dispatch(args_list[0], args_list[1:])
