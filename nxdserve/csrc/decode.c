@@ -190,7 +190,7 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
         for (int64_t j = 0; j < n; j += 16) {                                                          \
             const __mmask16 m = df_mask16(n - j);                                                      \
             __m512 e = df_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx));                    \
-            e = gm_widen(gm_round(e)); /* gemm_source's f2bf and its way back */                       \
+            e = gm_widen(gm_round(e)); /* gemm.c's f2bf and its way back */                            \
             _mm512_mask_storeu_ps(sg + j, m, e);                                                       \
             sv = _mm512_mask_add_ps(sv, m, sv, e);                                                     \
         }                                                                                              \

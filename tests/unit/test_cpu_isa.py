@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nxdserve.cli import build_parser, engine_config_from_args
 from nxdserve.config import EngineConfig
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.backends.torch_backend import TorchBackend
@@ -87,18 +86,6 @@ def test_a_path_this_cpu_cannot_run_is_a_config_error() -> None:
                 cpu_setup.apply(CpuOptions(isa=isa))  # type: ignore[arg-type]
     finally:
         cpu_setup.apply(CpuOptions())
-    with pytest.raises(ConfigError, match="must be one of"):
-        CpuOptions(isa="sse9")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="amx=False"):
-        CpuOptions(isa="amx", amx=False)
-
-
-def test_cli_flags_become_the_config_cpu_options() -> None:
-    args = build_parser().parse_args(["--cpu-isa", "generic", "--no-cpu-gemm", "--no-cpu-bind-threads"])
-    cpu = engine_config_from_args(args).cpu
-    assert cpu == CpuOptions(isa="generic", gemm=False, bind_threads=False)
-    assert engine_config_from_args(build_parser().parse_args([])).cpu == CpuOptions()
-    assert "CPU backend" in build_parser().format_help()
 
 
 def test_no_compiler_means_torch_ops_with_one_log_line(

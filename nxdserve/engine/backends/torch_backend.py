@@ -70,6 +70,8 @@ class TorchBackend(Backend):
         self.config = config
         self.device = resolve_device(config.device)
         self.kernel_path = cpu_setup.apply(config.cpu) if self.device.type == "cpu" else "none"
+        if self.device.type == "cpu":
+            logger.info("CPU kernels: %s (--cpu-isa %s)", self.kernel_path, config.cpu.isa)
         # On CPU, each step runs on all intra-op threads or on one, whichever the machine's load favours
         # (see cpu_threads.py). CpuOptions.thread_governor=False: always all.
         threads = torch.get_num_threads()

@@ -320,6 +320,14 @@ class _Kernels:
         self.current: ctypes.CDLL | None = _UNSET  # the library of ``path`` (None: torch ops), once resolved
         self.libs: dict[str, ctypes.CDLL | None] = {}
         self.parts: dict[str, bool] = {}
+        self.extra_flags: list[str] = []  # set_extra_build_flags
+
+
+def set_extra_build_flags(flags: Sequence[str]) -> None:
+    """Build every variant loaded from now on with these flags too (the sanitizer test); call before the first
+    kernel runs."""
+    _state.extra_flags = list(flags)
+    _state.libs, _state.current, _state.parts = {}, _UNSET, {}
 
 
 _state = _Kernels()
@@ -371,7 +379,7 @@ def _resolve() -> ctypes.CDLL | None:
         return None
     if variant not in _state.libs:
         try:
-            _state.libs[variant] = load(build_variant(variant))
+            _state.libs[variant] = load(build_variant(variant, extra_flags=_state.extra_flags))
         except Exception as exc:  # any failure: fall back to the torch ops, loudly once
             logger.warning("CPU kernels (%s) unavailable (%s): using torch ops", variant, exc)
             _state.libs[variant] = None
