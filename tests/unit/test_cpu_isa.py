@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import re
 import subprocess
 from collections.abc import Iterator
 
@@ -222,3 +223,24 @@ def test_greedy_generation_is_the_same_on_every_path(path: str, dtype: str) -> N
     got = _greedy(path, dtype)
     assert got == _greedy("none", dtype)
     assert all(len(tokens) == 6 for tokens in got.values())
+
+
+@needs_compiler
+def test_code_outside_the_isa_ifs_is_portable_c() -> None:
+    """What a baseline x86-64 build compiles of csrc (the code every variant, neon included, shares) holds no x86
+    intrinsics: they all sit inside the #if blocks of the AVX512/AMX parts. (No aarch64 cross compiler is needed
+    to know the neon build sees only portable C and GCC builtins.)"""
+    cc = cpu_kernels.compiler()
+    assert cc is not None
+    flags = ["-E", "-fopenmp", "-std=c11", *cpu_kernels.VARIANTS["x86_64"]["generic"][:1]]
+    text = subprocess.run([*cc, *flags, "-I", str(cpu_kernels.CSRC), str(cpu_kernels.CSRC / cpu_kernels.SOURCE)],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    ours, current = [], ""
+    for line in text.splitlines():
+        if line.startswith("# "):  # a line marker: # N "file" flags
+            current = line.split('"')[1] if '"' in line else current
+        elif str(cpu_kernels.CSRC) in current:
+            ours.append(line)
+    assert len(ours) > 500  # the kernels' own code was found
+    x86_only = re.compile(r"\b(_mm\w*|__m(128|256|512)\w*|__builtin_ia32\w*|__cpuid\w*|_tile_\w+)\b")
+    assert [line for line in ours if x86_only.search(line)] == []
