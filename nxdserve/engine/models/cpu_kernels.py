@@ -118,6 +118,8 @@ def cpu_flags() -> frozenset[str]:
 def runnable_paths(flags: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
     """The kernel paths this CPU can run, best first, "none" last: a variant name, or "amx" (the avx512bf16
     build with the tiles, where the CPU has them; the OS permission is checked when the library loads)."""
+    if arch is None and platform.system() != "Linux":  # the kernels use Linux's affinity calls
+        return ["none"]
     flags = cpu_flags() if flags is None else flags
     variants = VARIANTS.get(arch or machine(), {})
     paths = [v for v in reversed(list(variants)) if _NEEDS[v] <= flags]
