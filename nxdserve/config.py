@@ -68,11 +68,11 @@ class EngineConfig:
         model_max_positions: int | None,
         backend_max_len: int | None = None,
         chunked_token_budget: int = DEFAULT_CHUNKED_BATCHED_TOKENS,
-        cpu: bool = False,
+        on_cpu: bool = False,
     ) -> EngineConfig:
         """Fill defaults that depend on the model and the backend and check the whole config. Returns self.
         ``chunked_token_budget``: the default step budget in chunked mode (the loader passes the CPU one);
-        ``cpu``: whether the torch backend will run on a CPU (then a default budget gets the whole-prompt
+        ``on_cpu``: whether the torch backend will run on a CPU (then a default budget gets the whole-prompt
         overflow)."""
         limit = model_max_positions or DEFAULT_MAX_MODEL_LEN
         if backend_max_len is not None:
@@ -89,7 +89,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.whole_prompt_overflow is None:
-            cpu_default = cpu and self.enable_chunked_prefill and self.max_num_batched_tokens is None
+            cpu_default = on_cpu and self.enable_chunked_prefill and self.max_num_batched_tokens is None
             self.whole_prompt_overflow = (
                 int(chunked_token_budget * DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW) if cpu_default else 0
             )

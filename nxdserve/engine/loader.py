@@ -86,7 +86,7 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
     files = load_model_files(config)
     on_cpu = torch_on_cpu(config)
     budget = DEFAULT_CPU_CHUNKED_BATCHED_TOKENS if on_cpu else DEFAULT_CHUNKED_BATCHED_TOKENS
-    config.resolve(max_positions(files.hf_config), chunked_token_budget=budget, cpu=on_cpu)
+    config.resolve(max_positions(files.hf_config), chunked_token_budget=budget, on_cpu=on_cpu)
     backend = create_backend(config, files.path)
     extra = set(files.generation_eos_ids)
     name = config.served_model_name[0] if config.served_model_name else (config.model or files.path.name)

@@ -14,7 +14,7 @@ def test_cpu_torch_backend_gets_the_small_chunked_budget(monkeypatch: pytest.Mon
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     config = EngineConfig(max_num_seqs=8)
     assert torch_on_cpu(config)
-    config.resolve(2048, chunked_token_budget=default_chunked_budget(config), cpu=torch_on_cpu(config))
+    config.resolve(2048, chunked_token_budget=default_chunked_budget(config), on_cpu=torch_on_cpu(config))
     assert config.max_num_batched_tokens == DEFAULT_CPU_CHUNKED_BATCHED_TOKENS < DEFAULT_CHUNKED_BATCHED_TOKENS
     assert config.whole_prompt_overflow == DEFAULT_CPU_CHUNKED_BATCHED_TOKENS // 2
 
