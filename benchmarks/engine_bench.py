@@ -14,15 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nxdserve  # noqa: F401 - before torch: it sets the OpenMP wait policy, read once when torch loads
+from nxdserve.cpu_options import set_openmp_wait_policy
+
+set_openmp_wait_policy()  # before torch loads OpenMP, which reads it once
 
 # isort: split
-import torch
+import torch  # noqa: E402 - after the wait policy
 
-from nxdserve import AsyncEngine, EngineConfig, SamplingParams
-from nxdserve.engine.core import EngineCore
-from nxdserve.engine.loader import build_engine_core
-from nxdserve.sampling_params import OutputKind
+from nxdserve import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402 - after the wait policy
+from nxdserve.engine.core import EngineCore  # noqa: E402 - after the wait policy
+from nxdserve.engine.loader import build_engine_core  # noqa: E402 - after the wait policy
+from nxdserve.sampling_params import OutputKind  # noqa: E402 - after the wait policy
 
 PROMPT = "Write a long story about a robot who learns to paint. Once upon a time"
 

@@ -1,8 +1,9 @@
-"""The packed bf16 GEMM (``gemm_source.gemm_bf16``) on the default model's projection shapes, weights cold.
+"""The packed bf16 GEMM (``gemm_bf16``, ``csrc/gemm.c``) on the default model's projection shapes, weights cold.
 
 A model reads every weight from DRAM once per step, so each shape cycles over 30 packed copies (3 for the LM
 head) and the time is per call. ``--against OTHER.so`` interleaves another build of the kernel library (e.g.
-the cached one from before a change: ``~/.cache/nxdserve/kernels/slot_attention-<hash>.so``) and prints the
+the cached one from before a change: ``~/.cache/nxdserve/kernels/kernels-avx512bf16-<hash>.so``; builds from
+before the args structs, ``slot_attention-<hash>.so``, are called the old way) and prints the
 time ratio new / other, medians of ``--repeats`` interleaved rounds. On AMX machines the same copies are also
 timed compressed (``gemm.compress``, read by this build) and the ratio compressed / plain is printed.
 Prints a table, writes JSON.
@@ -17,37 +18,57 @@ import ctypes
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import nxdserve  # noqa: F401 - before torch: it sets the OpenMP wait policy
+from nxdserve.cpu_options import set_openmp_wait_policy
+
+set_openmp_wait_policy()  # before torch loads OpenMP
 
 # isort: split
-import torch
+import torch  # noqa: E402 - after the wait policy
 
-from nxdserve.engine.models import cpu_kernels, gemm
+from nxdserve.engine.models import cpu_kernels, gemm  # noqa: E402 - after the wait policy
 
 # SmolLM2-135M: (out features, in features)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+Gemm = Callable[[int, int, int, int, "int | None", int, int, int], None]  # x, M, K, w, cw, N, out, threads
 
 
-def _load(path: str) -> Any:
-    lib = ctypes.CDLL(path)
-    lib.gemm_bf16.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int]
-    lib.gemm_bf16.restype = None
-    if hasattr(lib, "gemm_amx"):  # as cpu_kernels does for its own build: without it AMX stays off
-        lib.gemm_amx()
-    return lib
+def _struct_call(lib: Any) -> Gemm:
+    def call(x: int, m: int, k: int, w: int, cw: int | None, n: int, out: int, threads: int) -> None:
+        args = cpu_kernels.GemmArgs(x, m, k, k, w, cw, None, None, 0, n, out, n, threads)
+        lib.gemm_bf16(ctypes.byref(args))
+
+    return call
 
 
-def _time_per_call(lib: Any, x: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor | None]], n: int,
+def _load(path: str) -> Gemm:
+    if hasattr(ctypes.CDLL(path), "nxd_struct_layouts"):
+        lib = cpu_kernels.load(Path(path))
+        lib.gemm_amx()  # as cpu_kernels does for its own build: without it AMX stays off
+        return _struct_call(lib)
+    old = ctypes.CDLL(path)  # a build from before the args structs: positional arguments
+    old.gemm_bf16.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int]
+    old.gemm_bf16.restype = None
+    if hasattr(old, "gemm_amx"):
+        old.gemm_amx()
+
+    def call(x: int, m: int, k: int, w: int, cw: int | None, n: int, out: int, threads: int) -> None:
+        old.gemm_bf16(x, m, k, k, w, cw, None, None, 0, n, out, n, threads)
+
+    return call
+
+
+def _time_per_call(gemm_call: Gemm, x: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor | None]], n: int,
                    out: torch.Tensor, threads: int) -> float:
     m, k = x.shape
     t0 = time.perf_counter()
     for w, blob in copies:
         cw = None if blob is None else blob.data_ptr()
-        lib.gemm_bf16(x.data_ptr(), m, k, k, w.data_ptr(), cw, None, None, 0, n, out.data_ptr(), n, threads)
+        gemm_call(x.data_ptr(), m, k, w.data_ptr(), cw, n, out.data_ptr(), threads)
     return (time.perf_counter() - t0) / len(copies) * 1e6
 
 
@@ -62,7 +83,7 @@ def main() -> None:
     if not gemm.available():
         raise SystemExit("the packed GEMM is not built here (needs a C compiler and AVX512-BF16)")
     torch.set_num_threads(args.threads)
-    libs = {"this": cpu_kernels._library()}
+    libs = {"this": _struct_call(cpu_kernels._library())}
     if args.against:
         libs["other"] = _load(args.against)
     gen = torch.Generator().manual_seed(0)

@@ -1,35 +1,51 @@
-"""nxdserve: a standalone asyncio LLM serving engine for AWS Neuron (NxD Inference)."""
+"""nxdserve: a standalone asyncio LLM serving engine for AWS Neuron (NxD Inference).
 
-import os
+Importing the package sets nothing in the process environment and loads nothing heavy: the names below are
+imported on first use, so that ``nxdserve``'s CLI can set OpenMP's wait policy before torch loads
+(``nxdserve.cpu_options.set_openmp_wait_policy``; an embedding program calls it, or sets the variables, itself).
+"""
 
-# Before torch loads OpenMP: with the default (active) wait policy, each multi-threaded op spins waiting for
-# sibling threads that other processes (or our own event-loop thread) have descheduled, which made steps
-# 10-25x slower on small machines. But a thread that sleeps at once pays a futex wake-up in each of the
-# ~200 parallel regions of a decode step: a short spin first (GOMP_SPINCOUNT, a few tens of microseconds)
-# made batch-1 decode 1.35x faster and batch 32 1.1x on an idle 2-core VM, and bounds what a spinning
-# thread can waste when its sibling is descheduled. Either variable set by the user wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from nxdserve.config import EngineConfig
-from nxdserve.engine.async_engine import AsyncEngine, RequestStream
-from nxdserve.engine.outputs import CompletionOutput, RequestOutput
-from nxdserve.errors import (
-    EngineDeadError,
-    InvalidRequestError,
-    NxdServeError,
-    QueueFullError,
-    RequestTooLongError,
-)
-from nxdserve.sampling_params import OutputKind, SamplingParams
+if TYPE_CHECKING:
+    from nxdserve.config import EngineConfig
+    from nxdserve.cpu_options import CpuOptions
+    from nxdserve.engine.async_engine import AsyncEngine, RequestStream
+    from nxdserve.engine.outputs import CompletionOutput, RequestOutput
+    from nxdserve.errors import (
+        EngineDeadError,
+        InvalidRequestError,
+        NxdServeError,
+        QueueFullError,
+        RequestTooLongError,
+    )
+    from nxdserve.sampling_params import OutputKind, SamplingParams
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "AsyncEngine": "nxdserve.engine.async_engine",
+    "CompletionOutput": "nxdserve.engine.outputs",
+    "CpuOptions": "nxdserve.cpu_options",
+    "EngineConfig": "nxdserve.config",
+    "EngineDeadError": "nxdserve.errors",
+    "InvalidRequestError": "nxdserve.errors",
+    "NxdServeError": "nxdserve.errors",
+    "OutputKind": "nxdserve.sampling_params",
+    "QueueFullError": "nxdserve.errors",
+    "RequestOutput": "nxdserve.engine.outputs",
+    "RequestStream": "nxdserve.engine.async_engine",
+    "RequestTooLongError": "nxdserve.errors",
+    "SamplingParams": "nxdserve.sampling_params",
+}
 
 __all__ = [
     "AsyncEngine",
     "CompletionOutput",
+    "CpuOptions",
     "EngineConfig",
     "EngineDeadError",
     "InvalidRequestError",
@@ -42,3 +58,12 @@ __all__ = [
     "SamplingParams",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nxdserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

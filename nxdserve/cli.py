@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from nxdserve.cli_args import API_KEY_ENVS, ServeParser, add_serve_flags, check_flags, log_infos
 from nxdserve.cli_args.config_file import expand_config_file
 from nxdserve.config import EngineConfig
+from nxdserve.cpu_options import add_cpu_arguments, cpu_options_from_args, set_openmp_wait_policy
 from nxdserve.errors import ConfigError
 
 if TYPE_CHECKING:  # the server stack is imported only when serving, so `nxdserve bench` starts fast
@@ -74,6 +75,7 @@ def build_parser() -> ServeParser:
         formatter_class=_HelpFormatter,
     )
     add_serve_flags(p)
+    add_cpu_arguments(p)
     return p
 
 
@@ -111,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         disable_log_stats=args.disable_log_stats,
+        cpu=cpu_options_from_args(args),
     )
 
 
@@ -266,6 +269,7 @@ def _configure_logging(level: str, config_file: str | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_openmp_wait_policy()  # before anything loads torch (and its OpenMP runtime)
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in SUBCOMMANDS:
         return _dispatch(args_list[0], args_list[1:])

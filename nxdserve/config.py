@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from nxdserve.cpu_options import CpuOptions
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a chunk
     max_num_partial_prefills: int = 1
     # Chunked mode: tokens a step may run past max_num_batched_tokens to run a waiting prompt whole rather
-    # than split it (only prompts that fit one step's budget). None: half the budget where the CPU default
-    # budget applies, else 0 (an explicit max_num_batched_tokens stays a hard cap, as in vLLM).
+    # than split it (only prompts that fit one step's budget). None: half the budget where the torch backend
+    # runs on a CPU with its default budget, else 0 (an explicit max_num_batched_tokens stays a hard cap, as in vLLM).
     whole_prompt_overflow: int | None = None
     max_consecutive_prefill_steps: int = 1  # prefill-first anti-starvation
     max_waiting: int | None = None  # None: unbounded queue
@@ -69,15 +70,19 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     disable_log_stats: bool = False
+    cpu: CpuOptions = field(default_factory=CpuOptions)  # the torch backend's CPU switches (--cpu-* flags)
 
     def resolve(
         self,
         model_max_positions: int | None,
         backend_max_len: int | None = None,
         chunked_token_budget: int = DEFAULT_CHUNKED_BATCHED_TOKENS,
+        on_cpu: bool = False,
     ) -> EngineConfig:
         """Fill defaults that depend on the model and the backend and check the whole config. Returns self.
-        ``chunked_token_budget``: the default step budget in chunked mode (the loader passes the CPU one)."""
+        ``chunked_token_budget``: the default step budget in chunked mode (the loader passes the CPU one);
+        ``on_cpu``: whether the torch backend will run on a CPU (then a default budget gets the whole-prompt
+        overflow)."""
         limit = model_max_positions or DEFAULT_MAX_MODEL_LEN
         if backend_max_len is not None:
             limit = min(limit, backend_max_len)
@@ -93,11 +98,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.whole_prompt_overflow is None:
-            cpu_default = (
-                self.enable_chunked_prefill
-                and self.max_num_batched_tokens is None
-                and chunked_token_budget == DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
-            )
+            cpu_default = on_cpu and self.enable_chunked_prefill and self.max_num_batched_tokens is None
             self.whole_prompt_overflow = (
                 int(chunked_token_budget * DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW) if cpu_default else 0
             )

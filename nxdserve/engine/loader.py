@@ -99,17 +99,20 @@ def max_positions(hf_config: Any) -> int | None:
     return int(value) if value else None
 
 
-def default_chunked_budget(config: EngineConfig) -> int:
-    """The chunked-mode step budget when none is given: smaller where the torch backend runs on a CPU."""
+def torch_on_cpu(config: EngineConfig) -> bool:
+    """Whether the engine will run the torch backend on a CPU."""
     import torch
 
     from nxdserve.engine.backends import nxd_status
 
     if config.backend == "nxd" or (config.backend == "auto" and nxd_status()[0]):
-        return DEFAULT_CHUNKED_BATCHED_TOKENS
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        return DEFAULT_CHUNKED_BATCHED_TOKENS
-    return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS
+        return False
+    return not (config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()))
+
+
+def default_chunked_budget(config: EngineConfig) -> int:
+    """The chunked-mode step budget when none is given: smaller where the torch backend runs on a CPU."""
+    return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS if torch_on_cpu(config) else DEFAULT_CHUNKED_BATCHED_TOKENS
 
 
 def size_kv_cache(config: EngineConfig, files: ModelFiles) -> None:
@@ -141,7 +144,9 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
     from nxdserve.engine.metrics import EngineMetrics
 
     files = load_model_files(config)
-    config.resolve(max_positions(files.hf_config), chunked_token_budget=default_chunked_budget(config))
+    on_cpu = torch_on_cpu(config)
+    budget = DEFAULT_CPU_CHUNKED_BATCHED_TOKENS if on_cpu else DEFAULT_CHUNKED_BATCHED_TOKENS
+    config.resolve(max_positions(files.hf_config), chunked_token_budget=budget, on_cpu=on_cpu)
     size_kv_cache(config, files)
     backend = create_backend(config, files.path)
     extra = set(files.generation_eos_ids)

@@ -120,10 +120,12 @@ def test_short_prompts_run_whole_past_the_budget_and_long_ones_are_still_split()
 def test_whole_prompt_overflow_defaults_on_only_with_the_cpu_default_budget() -> None:
     from nxdserve.config import DEFAULT_CPU_CHUNKED_BATCHED_TOKENS as CPU
 
-    assert EngineConfig().resolve(None, chunked_token_budget=CPU).whole_prompt_overflow == CPU // 2
-    assert EngineConfig(max_num_batched_tokens=CPU).resolve(None, chunked_token_budget=CPU).whole_prompt_overflow == 0
+    on_cpu = {"chunked_token_budget": CPU, "on_cpu": True}  # as the loader resolves for the torch backend on a CPU
+    assert EngineConfig().resolve(None, **on_cpu).whole_prompt_overflow == CPU // 2
+    assert EngineConfig(max_num_batched_tokens=CPU).resolve(None, **on_cpu).whole_prompt_overflow == 0
     assert EngineConfig().resolve(None).whole_prompt_overflow == 0  # an accelerator's default budget
-    assert EngineConfig(enable_chunked_prefill=False).resolve(None, chunked_token_budget=CPU).whole_prompt_overflow == 0
+    assert EngineConfig().resolve(None, chunked_token_budget=CPU).whole_prompt_overflow == 0  # not a CPU
+    assert EngineConfig(enable_chunked_prefill=False).resolve(None, **on_cpu).whole_prompt_overflow == 0
     assert EngineConfig(whole_prompt_overflow=16).resolve(None).whole_prompt_overflow == 16
 
 

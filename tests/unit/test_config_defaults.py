@@ -6,15 +6,17 @@ import pytest
 
 from nxdserve.config import DEFAULT_CHUNKED_BATCHED_TOKENS, DEFAULT_CPU_CHUNKED_BATCHED_TOKENS, EngineConfig
 from nxdserve.engine import backends
-from nxdserve.engine.loader import default_chunked_budget
+from nxdserve.engine.loader import default_chunked_budget, torch_on_cpu
 
 
 def test_cpu_torch_backend_gets_the_small_chunked_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backends, "nxd_status", lambda: (False, "not here"))
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     config = EngineConfig(max_num_seqs=8)
-    config.resolve(2048, chunked_token_budget=default_chunked_budget(config))
+    assert torch_on_cpu(config)
+    config.resolve(2048, chunked_token_budget=default_chunked_budget(config), on_cpu=torch_on_cpu(config))
     assert config.max_num_batched_tokens == DEFAULT_CPU_CHUNKED_BATCHED_TOKENS < DEFAULT_CHUNKED_BATCHED_TOKENS
+    assert config.whole_prompt_overflow == DEFAULT_CPU_CHUNKED_BATCHED_TOKENS // 2
 
 
 def test_budget_stays_large_on_gpu_and_neuron(monkeypatch: pytest.MonkeyPatch) -> None:

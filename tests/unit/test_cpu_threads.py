@@ -142,13 +142,12 @@ def test_an_owned_forward_thread_and_its_team_get_a_cpu_each_and_one_thread_runs
 
 @needs_two_cpus
 def test_binding_stays_off_unless_the_thread_is_owned_or_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    def run(enable: bool) -> set[int]:
-        binding = ThreadBinding(CPUS)
+    def run(enable: bool, allowed: bool = True) -> set[int]:
+        binding = ThreadBinding(CPUS, allowed=allowed)
         binding.enabled = enable
         binding.apply(len(CPUS))
         return os.sched_getaffinity(0)
 
     assert _in_new_thread(lambda: run(False)) == set(CPUS)
-    monkeypatch.setenv("NXDSERVE_BIND_THREADS", "0")
-    assert _in_new_thread(lambda: run(True)) == set(CPUS)
-    assert not ThreadBinding(CPUS).allowed and not ThreadBinding([0]).enabled
+    assert _in_new_thread(lambda: run(True, allowed=False)) == set(CPUS)  # CpuOptions.bind_threads=False
+    assert not ThreadBinding(CPUS, allowed=False).allowed and not ThreadBinding([0]).enabled

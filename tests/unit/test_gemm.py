@@ -218,7 +218,7 @@ def _patch_count(blob: torch.Tensor, panels: int) -> int:
 
 
 def _decode(blob: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The compressed copy's words, decoded here as the format says (``gemm_source``, "Compressed panels")."""
+    """The compressed copy's words, decoded here as the format says (``csrc/gemm.c``, "Compressed panels")."""
     panels, steps = -(-n // gemm.PANEL), k // 32
     table = blob[:16].to(torch.int32)
     at_offset, pos_offset, val_offset = (int(v) for v in blob[16:40].view(torch.int64))

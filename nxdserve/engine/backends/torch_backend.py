@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from nxdserve.engine.backends.base import (
     StepPlan,
     StepResult,
 )
-from nxdserve.engine.models import SlotModelRunner, resolve_device, resolve_dtype
+from nxdserve.engine.models import SlotModelRunner, cpu_setup, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
 from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
 from nxdserve.engine.persistent_batch import PersistentBatch
@@ -70,13 +69,16 @@ class TorchBackend(Backend):
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = resolve_device(config.device)
+        self.kernel_path = cpu_setup.apply(config.cpu) if self.device.type == "cpu" else "none"
+        if self.device.type == "cpu":
+            logger.info("CPU kernels: %s (--cpu-isa %s)", self.kernel_path, config.cpu.isa)
         # On CPU, each step runs on all intra-op threads or on one, whichever the machine's load favours
-        # (see cpu_threads.py). NXDSERVE_THREAD_GOVERNOR=0: always all.
+        # (see cpu_threads.py). CpuOptions.thread_governor=False: always all.
         threads = torch.get_num_threads()
-        governed = self.device.type == "cpu" and os.environ.get("NXDSERVE_THREAD_GOVERNOR", "1") != "0"
+        governed = self.device.type == "cpu" and config.cpu.thread_governor
         self.thread_governor = ThreadGovernor(threads if governed else 1)
         self._max_threads = threads
-        self.thread_binding = ThreadBinding([] if self.device.type != "cpu" else None)
+        self.thread_binding = ThreadBinding([] if self.device.type != "cpu" else None, config.cpu.bind_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
         self.runner = SlotModelRunner.from_pretrained(

@@ -139,11 +139,11 @@ class ThreadBinding:
     interleaved rounds, workload a 594-650 vs 530-605 tok/s and the single stream 48-55 vs 41-45 tok/s;
     with nothing else running, no difference beyond the rounds' spread. (Binding the whole process with
     ``OMP_PROC_BIND`` measured the same, but binds the event loop and every thread started after it too.)
-    ``NXDSERVE_BIND_THREADS=0`` turns it off; with fewer CPUs than threads it stays off."""
+    ``allowed=False`` (``CpuOptions.bind_threads``) turns it off; with fewer CPUs than threads it stays off."""
 
-    def __init__(self, cpus: list[int] | None = None) -> None:
+    def __init__(self, cpus: list[int] | None = None, allowed: bool = True) -> None:
         self.cpus = _allowed_cpus() if cpus is None else list(cpus)
-        self.allowed = os.environ.get("NXDSERVE_BIND_THREADS", "1") != "0" and len(self.cpus) > 1
+        self.allowed = allowed and len(self.cpus) > 1
         self.enabled = False
         self.bound = 0  # threads bound now (0: none)
 

@@ -1,16 +1,15 @@
-"""bf16 forward through the fused C decoder (``decode_source``): one call for all layers.
+"""bf16 forward through the fused C decoder (``csrc/decode.c``): one call for all layers.
 
 ``FusedDecode.accepts`` decides per forward; anything it does not cover (fp32, more than ``MAX_TOKENS``
 tokens, q/k norms, activations other than SiLU, autograd) takes the layer-by-layer path.
 Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M): see ``benchmarks/perf_notes.md``.
-``NXDSERVE_FUSED_DECODE=0`` turns it off (A/B measurements).
+``CpuOptions.fused_decode`` turns it off (A/B measurements).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,13 +25,13 @@ if TYPE_CHECKING:
     from nxdserve.engine.models.rope import RotaryTables
     from nxdserve.engine.models.spec import ModelSpec
 
-# Since attention goes by blocks of tokens (``decode_source``), the fused forward beats the layer path at
+# Since attention goes by blocks of tokens (``decode.c``), the fused forward beats the layer path at
 # every size measured: 0.78x its time for a 128-token chunk at position 0, 0.75x for 256, 0.76x for 512, and
 # 0.60x for 256 or 512 tokens after 900-1000 (SDPA's attention). The cap bounds its scratch (T x ~13 KB on
 # SmolLM2-135M); longer forwards take the layer path.
 MAX_TOKENS = 2048
 
-enabled = os.environ.get("NXDSERVE_FUSED_DECODE", "1") != "0"
+enabled = True  # set from CpuOptions (cpu_setup.apply)
 
 
 @functools.cache
@@ -188,11 +187,13 @@ class FusedDecode:
         final_norm = None if self.final_norm is None else self.final_norm.weight.data_ptr()
         if on_compute is not None:
             on_compute()
-        lib.decode_forward_bf16(
-            x.data_ptr(), t, table, windows, len(self.layers), final_norm, self.eps,
+        args = cpu_kernels.DecodeArgs(
+            x.data_ptr(), t, ctypes.addressof(table), ctypes.addressof(windows), len(self.layers), final_norm,
             cos.data_ptr(), sin.data_ptr(), write_slots.data_ptr(), positions.data_ptr(),
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
-            k_cache.stride(0), k_cache.stride(1), work.data_ptr(), scratch.data_ptr(), num_alts, alt_kv, threads,
+            k_cache.stride(0), k_cache.stride(1), work.data_ptr(), scratch.data_ptr(), num_alts, alt_kv or None,
             silu_table().data_ptr(), None if kept is None else kept.data_ptr(), -1 if kept is None else kept.numel(),
+            self.eps, threads,
         )  # fmt: skip
+        lib.decode_forward_bf16(ctypes.byref(args))
         return x if kept is None else x[: kept.numel()]

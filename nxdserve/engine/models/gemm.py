@@ -1,16 +1,16 @@
-"""bf16 matrix multiplication through ``gemm_source.gemm_bf16``: the weight packed once into panels.
+"""bf16 matrix multiplication through ``gemm_bf16`` (``csrc/gemm.c``): the weight packed once into panels.
 
 ``matmul(x, weight, bias, residual)`` returns None where the kernel does not apply (no AVX512-BF16
 build, another dtype or device, autograd, non-contiguous rows); ``linear`` then takes oneDNN.
-``NXDSERVE_GEMM=0`` turns it off (A/B measurements). Where the CPU has AMX-BF16, GEMMs whose K is a multiple
-of 32 run on its tiles (``gemm_source``: the same packed panels), and read the weight's compressed copy
+``CpuOptions.gemm`` turns it off (A/B measurements). Where the CPU has AMX-BF16, GEMMs whose K is a multiple
+of 32 run on its tiles (``gemm.c``: the same packed panels), and read the weight's compressed copy
 (``compress``: 12 bits a weight, lossless; the tiles see the same words), since at decode sizes a GEMM's time is
-the time to read its weight from memory. ``NXDSERVE_COMPRESSED_WEIGHTS=0`` turns that off.
+the time to read its weight from memory. ``CpuOptions.compressed_weights`` turns that off.
 """
 
 from __future__ import annotations
 
-import os
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -18,15 +18,16 @@ import torch.nn.functional as F
 
 from nxdserve.engine.models import cpu_kernels
 
-PANEL = 48  # columns per panel: GM_NR in gemm_source
+PANEL = 48  # columns per panel: GM_NR in gemm.c
 _ATTR = "_nxdserve_panels"
 _CW_ATTR = "_nxdserve_compressed_panels"
-CW_STEP_PAIRS = 16  # k pairs per compressed step: GM_AMX_STEP_PAIRS in gemm_source
+CW_STEP_PAIRS = 16  # k pairs per compressed step: GM_AMX_STEP_PAIRS in gemm.c
 CW_HEADER = 64
 
-enabled = os.environ.get("NXDSERVE_GEMM", "1") != "0"
-# Whether GEMMs on the tiles read the weights' compressed copy (``compress``); the bits are the same either way.
-compression = os.environ.get("NXDSERVE_COMPRESSED_WEIGHTS", "1") != "0"
+# Set from CpuOptions (cpu_setup.apply): the kernel on / off, and whether GEMMs on the tiles read the weights'
+# compressed copy (``compress``; the bits are the same either way).
+enabled = True
+compression = True
 
 
 def available() -> bool:
@@ -34,7 +35,7 @@ def available() -> bool:
 
 
 def uses_amx() -> bool:
-    """Whether the GEMMs run on AMX tiles (Intel since Sapphire Rapids; ``NXDSERVE_AMX=0`` turns it off)."""
+    """Whether the GEMMs run on AMX tiles (Intel since Sapphire Rapids; ``CpuOptions.amx`` / ``isa``)."""
     lib = cpu_kernels._library()
     return available() and lib is not None and bool(lib.gemm_amx())
 
@@ -77,7 +78,7 @@ def _align(n: int) -> int:
 
 
 def compress(weight: torch.Tensor) -> torch.Tensor | None:
-    """``pack(weight)`` in 12 bits a word, losslessly (``gemm_source``, "Compressed panels"): a uint8 blob,
+    """``pack(weight)`` in 12 bits a word, losslessly (``gemm.c``, "Compressed panels"): a uint8 blob,
     kept on the weight like the packed copy. None where K is not a multiple of 32."""
     if weight.shape[1] % (2 * CW_STEP_PAIRS):
         return None
@@ -164,10 +165,11 @@ def matmul(
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
     blob = compressed(weight)
-    lib.gemm_bf16(
+    args = cpu_kernels.GemmArgs(
         x.data_ptr(), m, k, x.stride(0), pack(weight).data_ptr(), None if blob is None else blob.data_ptr(),
         None if bias is None else bias.data_ptr(),
         None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
         n, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
+    lib.gemm_bf16(ctypes.byref(args))
     return out

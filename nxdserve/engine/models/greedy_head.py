@@ -2,19 +2,19 @@
 indices as the full head (first maximum), on AVX512-VNNI CPUs. Measured on SmolLM2: 3.5 vs 5.0 ms at 32 rows,
 0.4 vs 1.3 ms at one.
 
-The screen (``greedy_head_source``) runs the head in int8 with a proven error bound per logit and computes
+The screen (``csrc/greedy_head.c``) runs the head in int8 with a proven error bound per logit and computes
 again in bf16 only the columns that can still be the maximum. Its int8 copy of the head (~28 MB for
 SmolLM2, 0.35 s to pack) is made on first use, which the torch backend's warm-up triggers; the few outlier
 channels of the final hidden state that stay in bf16 are the largest ones of that first batch (a poor
 choice costs speed, never a wrong index: measured on SmolLM2, a warm-up prompt of arbitrary token ids
 doubles the columns recomputed against calibrating on served traffic, ~1% of the head).
-``NXDSERVE_GREEDY_HEAD=0`` turns it off (A/B measurements).
+``CpuOptions.greedy_head`` turns it off (A/B measurements).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +28,9 @@ MAX_ROWS = 64  # rows per kernel call (bounds the candidate lists' scratch)
 # for it (measured: random weights make it 4x slower than the full head) turns it off after a few calls.
 POOR_FRACTION = 0.1
 POOR_CALLS = 8
-_SLACK = 1.0 + 2.0**-8  # see the bound in greedy_head_source
+_SLACK = 1.0 + 2.0**-8  # see the bound in greedy_head.c
 
-enabled = os.environ.get("NXDSERVE_GREEDY_HEAD", "1") != "0"
+enabled = True  # set from CpuOptions (cpu_setup.apply)
 logger = logging.getLogger(__name__)
 
 
@@ -51,7 +51,7 @@ class _Screen:
     outliers: torch.Tensor  # (KS,) int32 channels kept in bf16
     wq: torch.Tensor  # (P, ceil(KR/4), 48, 4) int8
     ws: torch.Tensor  # (P, KS/2, 48, 2) bf16
-    # Per column, (P*48,) float32 with the bound's slack (see greedy_head_source):
+    # Per column, (P*48,) float32 with the bound's slack (see greedy_head.c):
     sw: torch.Tensor  # the int8 scale s_w
     swb: torch.Tensor  # s_w ||c||_1 / 2
     swc2: torch.Tensor  # s_w ||c||_2
@@ -174,9 +174,10 @@ class GreedyHead:
             self._buffer("idx", lists, torch.int32),
             self._buffer("hi", lists, torch.float32),
         )
-        got = lib.greedy_head_argmax(
+        args = cpu_kernels.GreedyHeadArgs(
             x.data_ptr(), m, k, x.stride(0), s.rest.data_ptr(), s.rest.numel(), s.outliers.data_ptr(),
             s.outliers.numel(), s.wq.data_ptr(), s.ws.data_ptr(), s.pointers.data_ptr(), s.csum.data_ptr(),
             gemm.pack(self.weight).data_ptr(), s.vocab, out.data_ptr(), *(b.data_ptr() for b in scratch), threads,
         )  # fmt: skip
+        got = lib.greedy_head_argmax(ctypes.byref(args))
         return int(got)

@@ -11,7 +11,7 @@ output tok/s (higher in 7 of 8 pairs), mean TTFT 181-190 vs 176-201 ms. (Huge pa
 allocation, weights included, bought nothing measurable: the weights stream panel by panel, a few TLB entries
 at a time.)
 
-Linux only, and only where THP is ``madvise`` or ``always``; ``NXDSERVE_KV_HUGE_PAGES=0`` turns it off (A/B).
+Linux only, and only where THP is ``madvise`` or ``always``; ``CpuOptions.kv_huge_pages`` turns it off (A/B).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import sys
 
 import torch
@@ -29,7 +28,7 @@ logger = logging.getLogger(__name__)
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
-enabled = os.environ.get("NXDSERVE_KV_HUGE_PAGES", "1") != "0"
+enabled = True  # set from CpuOptions (cpu_setup.apply)
 
 
 @functools.cache

@@ -10,17 +10,16 @@ modules that share a tensor (a truncated self-draft sharing the target's layers 
 packed copy. It is keyed by the tensor's version counter: an in-place update of the weight (loading,
 training an EAGLE head) makes it stale and it is rebuilt on the next call. Weights that require grad,
 calls that record autograd, non-CPU tensors and dtypes oneDNN does not pack natively fall back to
-``F.linear``. ``NXDSERVE_PACKED_LINEAR=0`` turns packing off (for A/B measurements).
+``F.linear``. ``CpuOptions.packed_linear`` turns packing off (for A/B measurements).
 
 Where the kernels are built for AVX512-BF16, bf16 weights go to ``gemm`` instead (its own packed layout,
-faster than oneDNN at every row count a model runs: see ``gemm_source``); oneDNN is the fallback and no
+faster than oneDNN at every row count a model runs: see ``csrc/gemm.c``); oneDNN is the fallback and no
 oneDNN copy is made then.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ from nxdserve.engine.models import gemm
 _ATTR = "_nxdserve_packed"
 _PACKED_DTYPES = (torch.bfloat16,)
 
-enabled = os.environ.get("NXDSERVE_PACKED_LINEAR", "1") != "0"
+enabled = True  # set from CpuOptions (cpu_setup.apply)
 
 
 @functools.cache

@@ -1,34 +1,32 @@
-"""C source of the fused bf16 decoder forward (compiled with the other kernels in ``cpu_kernels``).
+/* The fused bf16 decoder forward (part of kernels.c).
 
-Layer by layer, a forward is about ten framework calls per layer, each an OpenMP fork and join; between
-them the second core sleeps and the Python in between runs on one. At a few tokens that is most of a
-step, and at 32 tokens it is still a fifth of it (measured: ~7 ms of a 37 ms batch-32 step, plus the
-other thread's wake-up latency before each GEMM). ``decode_forward_bf16`` runs every layer for up to
-``fused_decode.MAX_TOKENS`` tokens inside ONE parallel region: each thread owns a fixed run of every
-weight's panels (``gemm_source``: the same packed copy ``linear`` uses), threads meet at barriers
-between the phases, and attention goes by (block, KV head) items, dynamically shared, largest first.
-A block is a run of up to 8 tokens of one row (a prefill chunk; rows of 9+ tokens): its query rows share
-each key and value read, and K is transposed per 16 keys so q . k needs no horizontal sums. Measured
-(one core, 8 tokens x 3 heads): 1.66x the single-token items at 1400 keys, 1.7x at 100; in a 96-token
-step with a 72-token chunk at position 1380, attention went from 34 to 23.5 ms. Where the GEMMs run on AMX
-tiles, so do a block's q . k and p . v (``df_block64_amx``): eight 1000-token prompts prefilled in 0.67x the
-time, where the AVX512 blocks had become the largest piece of a long prompt (48% of it, against the AMX
-projections' 40%).
+   Layer by layer, a forward is about ten framework calls per layer, each an OpenMP fork and join; between
+   them the second core sleeps and the Python in between runs on one. At a few tokens that is most of a
+   step, and at 32 tokens it is still a fifth of it (measured: ~7 ms of a 37 ms batch-32 step, plus the
+   other thread's wake-up latency before each GEMM). ``decode_forward_bf16`` runs every layer for up to
+   ``fused_decode.MAX_TOKENS`` tokens inside ONE parallel region: each thread owns a fixed run of every
+   weight's panels (gemm.c: the same packed copy ``linear`` uses), threads meet at barriers
+   between the phases, and attention goes by (block, KV head) items, dynamically shared, largest first.
+   A block is a run of up to 8 tokens of one row (a prefill chunk; rows of 9+ tokens): its query rows share
+   each key and value read, and K is transposed per 16 keys so q . k needs no horizontal sums. Measured
+   (one core, 8 tokens x 3 heads): 1.66x the single-token items at 1400 keys, 1.7x at 100; in a 96-token
+   step with a 72-token chunk at position 1380, attention went from 34 to 23.5 ms. Where the GEMMs run on AMX
+   tiles, so do a block's q . k and p . v (``df_block64_amx``): eight 1000-token prompts prefilled in 0.67x the
+   time, where the AVX512 blocks had become the largest piece of a long prompt (48% of it, against the AMX
+   projections' 40%).
 
-Rows may be decodes, verification rows or prefill chunks alike: every token writes its K/V at
-(slot, position) before any token attends, then attends to keys lo..pos of its slot, so a row's tokens
-see each other causally.
+   Rows may be decodes, verification rows or prefill chunks alike: every token writes its K/V at
+   (slot, position) before any token attends, then attends to keys lo..pos of its slot, so a row's tokens
+   see each other causally.
 
-Rounding follows the eager bf16 layer: every projection's output, residual sum, RMSNorm output, RoPE
-product and activation is rounded to bf16 where torch rounds it, the GEMMs give oneDNN's bits, and the
-activation is torch's own silu, looked up (``df_silu_mul``); attention sums in its own order, so results are
-as close to fp32 as the layer-by-layer path's, not bit-equal to them (fp32 models never use this path).
-With ``keep``, the last layer finishes only the tokens whose states are read (the sampled ones).
+   Rounding follows the eager bf16 layer: every projection's output, residual sum, RMSNorm output, RoPE
+   product and activation is rounded to bf16 where torch rounds it, the GEMMs give oneDNN's bits, and the
+   activation is torch's own silu, looked up (``df_silu_mul``); attention sums in its own order, so results are
+   as close to fp32 as the layer-by-layer path's, not bit-equal to them (fp32 models never use this path).
+   With ``keep``, the last layer finishes only the tokens whose states are read (the sampled ones).
 
-Built only where the compiler targets AVX512-BF16 (``decode_forward_available()`` says so).
-"""
+   Built only where the compiler targets AVX512-BF16 (``decode_forward_available()`` says so). */
 
-SOURCE = r"""
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 int decode_forward_available(void) { return 1; }
@@ -192,7 +190,7 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
         for (int64_t j = 0; j < n; j += 16) {                                                          \
             const __mmask16 m = df_mask16(n - j);                                                      \
             __m512 e = df_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx));                    \
-            e = gm_widen(gm_round(e)); /* gemm_source's f2bf and its way back */                       \
+            e = gm_widen(gm_round(e)); /* gemm.c's f2bf and its way back */                            \
             _mm512_mask_storeu_ps(sg + j, m, e);                                                       \
             sv = _mm512_mask_add_ps(sv, m, sv, e);                                                     \
         }                                                                                              \
@@ -533,12 +531,12 @@ static inline void df_prefetch_first_panel(const uint16_t* w, const uint8_t* cw,
    sampled ones), so the last layer runs q/k/v for every token (the cache needs their K/V) and attention,
    o, the MLP and the final norm for these alone; their outputs are x's first K rows. A token keeps the
    attention kernel it would have had (item, or block of one), so its bits are what the full forward gives it. */
-void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, const int64_t* windows, int64_t L,
-                         const uint16_t* final_norm, float eps, const uint16_t* cos, const uint16_t* sin,
-                         const int64_t* slots, const int64_t* pos, int64_t H, int64_t NH, int64_t NKV, int64_t D,
-                         int64_t I, int64_t c_ss, int64_t c_sh, uint16_t* ws, float* fs, int64_t A,
-                         uint16_t* alt_kv, int nthreads, const uint16_t* silu_tab, const int64_t* keep,
-                         int64_t K) {
+static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const int64_t* windows, int64_t L,
+                       const uint16_t* final_norm, float eps, const uint16_t* cos, const uint16_t* sin,
+                       const int64_t* slots, const int64_t* pos, int64_t H, int64_t NH, int64_t NKV, int64_t D,
+                       int64_t I, int64_t c_ss, int64_t c_sh, uint16_t* ws, float* fs, int64_t A,
+                       uint16_t* alt_kv, int nthreads, const uint16_t* silu_tab, const int64_t* keep,
+                       int64_t K) {
     const int64_t G = NH / NKV, NHEADS = NH + 2 * NKV, QKV = NHEADS * D, half = D / 2, TM = T - A;
     const float scale = 1.f / sqrtf((float)D);
     int64_t maxctx = 1;
@@ -762,7 +760,12 @@ void decode_forward_bf16(uint16_t* x, int64_t T, const uint16_t* const* lw, cons
     }
     free(runs);
 }
+
+void decode_forward_bf16(const nxd_decode_args* a) {
+    df_forward(a->x, a->T, a->lw, a->windows, a->L, a->final_norm, a->eps, a->cos, a->sin, a->slots, a->pos, a->H,
+               a->NH, a->NKV, a->D, a->I, a->c_ss, a->c_sh, a->ws, a->fs, a->A, a->alt_kv, a->nthreads, a->silu_tab,
+               a->keep, a->K);
+}
 #else
 int decode_forward_available(void) { return 0; }
 #endif
-"""

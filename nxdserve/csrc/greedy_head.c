@@ -1,34 +1,32 @@
-"""C source of the exact greedy LM head (``greedy_head``): the argmax of ``bf16(x @ W.T)`` without the logits.
+/* The exact greedy LM head (part of kernels.c) (``greedy_head``): the argmax of ``bf16(x @ W.T)`` without the logits.
 
-The LM head is ~11% of a 32-row decode step on the CPU (49152 x 576 at the bf16 peak). A greedy row needs
-only the index of its largest logit. So the head runs first in int8 (``vpdpbusd``: twice the bf16 rate,
-half the bytes), with a proven bound on how far each int8 logit can be from the bf16 one. Only the columns
-whose bound reaches the row's best lower bound are computed again in bf16, by the very register tile the
-full head uses (``gm_tile_1``, or the AMX tiles where the GEMMs run on them), which gives the same bits. The
-index returned is the one the full head's logits give to ``argmax`` (first maximum).
+   The LM head is ~11% of a 32-row decode step on the CPU (49152 x 576 at the bf16 peak). A greedy row needs
+   only the index of its largest logit. So the head runs first in int8 (``vpdpbusd``: twice the bf16 rate,
+   half the bytes), with a proven bound on how far each int8 logit can be from the bf16 one. Only the columns
+   whose bound reaches the row's best lower bound are computed again in bf16, by the very register tile the
+   full head uses (``gm_tile_1``, or the AMX tiles where the GEMMs run on them), which gives the same bits. The
+   index returned is the one the full head's logits give to ``argmax`` (first maximum).
 
-Where the bound comes from, for a row x and a column w (K values, bf16):
-  x is split into a few calibrated outlier channels S (kept in bf16: the final hidden state has a handful of
-  channels 10-40x larger than the rest, which would set the int8 scale of every other channel) and the rest
-  R. On R, x ~ s_x q (q = round(x / s_x), |q| <= 127, stored as q + 128 for the unsigned operand) and
-  w ~ s_w c (per-column scale). Then
-    |x_R . w_R - s_x s_w (q . c)| <= |x_R . (w_R - s_w c)| + |(x_R - s_x q) . s_w c|
-  and each term is bounded by the smaller of its max-norm form (s_w ||x_R||_1 / 2, s_x s_w ||c||_1 / 2)
-  and its Cauchy-Schwarz form (||x_R||_2 ||w_R - s_w c||_2, ||x_R - s_x q||_2 s_w ||c||_2), all norms
-  times 1 + 2^-8 for the roundings of the scales, the norms and the fp32 products. The S part is summed in
-  fp32 from exact bf16 products, and the full head's own fp32 sum differs from the real dot product by at most
-  ~K 2^-24 sum |x_k w_k| <= K 2^-24 ||x||_2 ||w||_2; both are covered by C ||w||_2 with
-  C = (K + |S| + 8) 2^-23 ||x||_2; 2^-14 |approx| more covers the roundings of approx, lo and hi
-  themselves. So each column's bf16 logit before rounding lies in [lo, hi] =
-  approx -/+ (term 1 + term 2 + C ||w||_2 + 2^-14 |approx|).
-  A column can hold the row's maximum after rounding to bf16 only if hi >= L - 2^-6 |L| - 2^-90, where
-  L is the largest lo of the row: bf16 keeps 8 bits, so two values more than 2^-7 of their size apart
-  round apart. Every other column is dropped without its bf16 dot product.
+   Where the bound comes from, for a row x and a column w (K values, bf16):
+     x is split into a few calibrated outlier channels S (kept in bf16: the final hidden state has a handful of
+     channels 10-40x larger than the rest, which would set the int8 scale of every other channel) and the rest
+     R. On R, x ~ s_x q (q = round(x / s_x), |q| <= 127, stored as q + 128 for the unsigned operand) and
+     w ~ s_w c (per-column scale). Then
+       |x_R . w_R - s_x s_w (q . c)| <= |x_R . (w_R - s_w c)| + |(x_R - s_x q) . s_w c|
+     and each term is bounded by the smaller of its max-norm form (s_w ||x_R||_1 / 2, s_x s_w ||c||_1 / 2)
+     and its Cauchy-Schwarz form (||x_R||_2 ||w_R - s_w c||_2, ||x_R - s_x q||_2 s_w ||c||_2), all norms
+     times 1 + 2^-8 for the roundings of the scales, the norms and the fp32 products. The S part is summed in
+     fp32 from exact bf16 products, and the full head's own fp32 sum differs from the real dot product by at most
+     ~K 2^-24 sum |x_k w_k| <= K 2^-24 ||x||_2 ||w||_2; both are covered by C ||w||_2 with
+     C = (K + |S| + 8) 2^-23 ||x||_2; 2^-14 |approx| more covers the roundings of approx, lo and hi
+     themselves. So each column's bf16 logit before rounding lies in [lo, hi] =
+     approx -/+ (term 1 + term 2 + C ||w||_2 + 2^-14 |approx|).
+     A column can hold the row's maximum after rounding to bf16 only if hi >= L - 2^-6 |L| - 2^-90, where
+     L is the largest lo of the row: bf16 keeps 8 bits, so two values more than 2^-7 of their size apart
+     round apart. Every other column is dropped without its bf16 dot product.
 
-Rows with a non-finite value get -1 (the caller takes the full head).
-"""
+   Rows with a non-finite value get -1 (the caller takes the full head). */
 
-SOURCE = r"""
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <float.h>
 int greedy_head_available(void) { return 1; }
@@ -142,11 +140,11 @@ GH_KERNEL(1) GH_KERNEL(2) GH_KERNEL(3) GH_KERNEL(4) GH_KERNEL(5) GH_KERNEL(6) GH
    Scratch: xq (M * K4 * 4 bytes), xsb (M * KS bf16), row floats (5M), lists (nt * M * N int32 + floats).
    Returns the number of columns computed again in bf16 (a measure of the screen), or -1 if a row was
    not finite (its out is -1). */
-int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const int32_t* rest, int64_t KR,
-                           const int32_t* S, int64_t KS, const int8_t* wq, const uint16_t* ws,
-                           const float* const* colp, const int32_t* csum, const uint16_t* wfull, int64_t N,
-                           int64_t* out, uint8_t* xq, uint16_t* xsb, float* rowf, int32_t* list_idx,
-                           float* list_hi, int nthreads) {
+static int64_t gh_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const int32_t* rest, int64_t KR,
+                          const int32_t* S, int64_t KS, const int8_t* wq, const uint16_t* ws,
+                          const float* const* colp, const int32_t* csum, const uint16_t* wfull, int64_t N,
+                          int64_t* out, uint8_t* xq, uint16_t* xsb, float* rowf, int32_t* list_idx,
+                          float* list_hi, int nthreads) {
     const int64_t K4 = (KR + 3) / 4, KQ = 4 * K4, S2 = KS / 2, P = (N + GM_NR - 1) / GM_NR;
     const int64_t panel_q = K4 * 4 * GM_NR, panel_s = S2 * 2 * GM_NR, panel_w = ((K + 1) / 2) * 2 * GM_NR;
     const gh_cols cols = {colp[0], colp[1], colp[2], colp[3], colp[4], csum};
@@ -270,7 +268,11 @@ int64_t greedy_head_argmax(const uint16_t* x, int64_t M, int64_t K, int64_t xs, 
     free(lists);
     return bad ? -1 : rechecked;
 }
+
+int64_t greedy_head_argmax(const nxd_greedy_head_args* a) {
+    return gh_argmax(a->x, a->M, a->K, a->xs, a->rest, a->KR, a->S, a->KS, a->wq, a->ws, a->colp, a->csum, a->wfull,
+                     a->N, a->out, a->xq, a->xsb, a->rowf, a->list_idx, a->list_hi, a->nthreads);
+}
 #else
 int greedy_head_available(void) { return 0; }
 #endif
-"""

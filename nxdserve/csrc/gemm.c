@@ -1,22 +1,20 @@
-"""C source of the bf16 GEMM used by ``linear`` on CPUs with AVX512-BF16 (compiled with the other kernels).
+/* The bf16 GEMM used by ``linear`` on CPUs with AVX512-BF16 (part of kernels.c).
 
-oneDNN's matmul is near the machine's peak when a weight sits in cache, but in a model every weight comes
-from DRAM once per step, and at 1-128 rows oneDNN reads it before computing rather than while: measured
-in a 30-layer cycle of SmolLM2's shapes, its batch-32 projections ran at 190-290 GFLOP/s, of ~410.
-``gemm_bf16`` keeps each weight in panels of 48 columns stored as ``[ceil(K/2)][48][2]`` bf16 pairs
-(``gemm.pack``), so a panel is one sequential stream, and while the 8-row tiles of x pass over panel p
-they prefetch panel p + 1 into L2, each tile an equal part of it. (Before, the first tile pulled the whole
-next panel at the rate it read p: at 32 rows, four tiles a panel, one core cannot stream 55 KB in one tile's
-2.2 us, and the rest arrived late; spread, the 32-row projections took 0.86-1.02x the time in five runs of
-`benchmarks/gemm_bench.py`, the down projection gaining most.)
-The register tile is 8 rows x 48 columns (24 zmm accumulators, ``vdpbf16ps``: bf16 pairs multiplied exactly,
-summed in fp32, k in order), which gives the same bits as oneDNN's brgemm on every shape tested.
+   oneDNN's matmul is near the machine's peak when a weight sits in cache, but in a model every weight comes
+   from DRAM once per step, and at 1-128 rows oneDNN reads it before computing rather than while: measured
+   in a 30-layer cycle of SmolLM2's shapes, its batch-32 projections ran at 190-290 GFLOP/s, of ~410.
+   ``gemm_bf16`` keeps each weight in panels of 48 columns stored as ``[ceil(K/2)][48][2]`` bf16 pairs
+   (``gemm.pack``), so a panel is one sequential stream, and while the 8-row tiles of x pass over panel p
+   they prefetch panel p + 1 into L2, each tile an equal part of it. (Before, the first tile pulled the whole
+   next panel at the rate it read p: at 32 rows, four tiles a panel, one core cannot stream 55 KB in one tile's
+   2.2 us, and the rest arrived late; spread, the 32-row projections took 0.86-1.02x the time in five runs of
+   `benchmarks/gemm_bench.py`, the down projection gaining most.)
+   The register tile is 8 rows x 48 columns (24 zmm accumulators, ``vdpbf16ps``: bf16 pairs multiplied exactly,
+   summed in fp32, k in order), which gives the same bits as oneDNN's brgemm on every shape tested.
 
-Epilogue, as the eager layer rounds: ``out = bf16(acc + bias)``, then optionally ``bf16(out + residual)``
-(a decoder layer's down projection and its residual add in one pass over the output).
-"""
+   Epilogue, as the eager layer rounds: ``out = bf16(acc + bias)``, then optionally ``bf16(out + residual)``
+   (a decoder layer's down projection and its residual add in one pass over the output). */
 
-SOURCE = r"""
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
@@ -523,9 +521,9 @@ static void gm_panels_steal(const uint16_t* x, int64_t M, int64_t K, int64_t xs,
    a run of whole panels in each row block of x (and steals from the others' runs when done). out
    may be res (an in-place residual add). cw: the same panels compressed (``gemm.compress``) or NULL; the
    tiles read those, the AVX512 tile the plain ones. */
-void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp, const uint8_t* cw,
-               const uint16_t* bias, const uint16_t* res, int64_t rs, int64_t N, uint16_t* out, int64_t os,
-               int nthreads) {
+static void gm_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* wp,
+                         const uint8_t* cw, const uint16_t* bias, const uint16_t* res, int64_t rs, int64_t N,
+                         uint16_t* out, int64_t os, int nthreads) {
     const int64_t P = (N + GM_NR - 1) / GM_NR;
     int nt = nthreads < 1 ? 1 : nthreads;
     if (nt > P) nt = (int)P;
@@ -547,9 +545,12 @@ void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16
     }
     free(runs);
 }
+
+void gemm_bf16(const nxd_gemm_args* a) {
+    gm_gemm_bf16(a->x, a->M, a->K, a->xs, a->wp, a->cw, a->bias, a->res, a->rs, a->N, a->out, a->os, a->nthreads);
+}
 #else
 int gemm_available(void) { return 0; }
 int gemm_amx(void) { return 0; }
 int gemm_set_amx(int on) { (void)on; return 0; }
 #endif
-"""

@@ -1,0 +1,160 @@
+/* nxdserve's CPU kernels: every function the Python side calls through ctypes and every struct it passes.
+
+   The Python side (nxdserve/engine/models/cpu_kernels.py) declares each struct again as a ctypes.Structure and,
+   when it loads a build, compares that declaration with nxd_struct_layouts() (sizeof and offsetof of every
+   field); on any difference it refuses the library and the model runs its torch ops. Keep the two in step.
+
+   bf16 values are passed as uint16_t bit patterns; "bf16 / f32" pairs of functions differ only in the element
+   type of their tensors (void* in the args structs). Parts marked AVX512-BF16 exist only in builds whose
+   target has it (the avx512bf16 variant); their *_available() function says whether this build has them. */
+#ifndef NXDSERVE_KERNELS_H
+#define NXDSERVE_KERNELS_H
+
+#include <stdint.h>
+
+/* ---- threads.c ------------------------------------------------------------------------------------------ */
+int omp_bind_team(int n, const int* cpus, int ncpus, int bind);
+
+/* ---- attention.c: slot attention over the KV cache ------------------------------------------------------- */
+/* q[t, hq, :] at q + t*q_st + hq*q_sh (hq = h*group + g); k/v likewise. Cache line of slot s, KV head h,
+   position p at cache + s*c_ss + h*c_sh + p*head_dim. Token t (all ntok) writes its K/V at (slots[t], pos[t]);
+   token sel[i] (or i when sel is NULL, i < nsel) attends to keys lo..pos[t] of its slot (lo from window > 0).
+   out[t, hq*head_dim + d] at out + t*o_st + hq*head_dim + d. Strides in elements. */
+typedef struct nxd_attention_args {
+    const void* q;
+    int64_t q_st, q_sh;
+    const void* k;
+    int64_t k_st, k_sh;
+    const void* v;
+    int64_t v_st, v_sh;
+    void* k_cache;
+    void* v_cache;
+    int64_t c_ss, c_sh;
+    const int64_t* slots;
+    const int64_t* pos;
+    int64_t ntok;
+    const int64_t* sel;
+    int64_t nsel;
+    int64_t hkv, group, head_dim, window;
+    void* out;
+    int64_t o_st;
+    float scale;
+    int32_t nthreads;
+} nxd_attention_args;
+
+void slot_attention_bf16(const nxd_attention_args* a);
+void slot_attention_f32(const nxd_attention_args* a);
+
+/* ---- elementwise.c: layer ops and argmax ------------------------------------------------------------------ */
+void add_rmsnorm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, uint16_t* sum,
+                      uint16_t* out, int64_t rows, int64_t cols, int nthreads);
+void add_rmsnorm_f32(const float* x, const float* delta, const float* w, float eps, float* sum, float* out,
+                     int64_t rows, int64_t cols, int nthreads);
+void rope_bf16(uint16_t* x, int64_t rs, int64_t rows, int64_t nheads, int64_t D, const uint16_t* cos,
+               const uint16_t* sin, int nthreads);
+void rope_f32(float* x, int64_t rs, int64_t rows, int64_t nheads, int64_t D, const float* cos, const float* sin,
+              int nthreads);
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t cols, int nthreads);
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t cols, int nthreads);
+void argmax_rows_bf16(const uint16_t* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out, int nthreads);
+void argmax_rows_f32(const uint32_t* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out, int nthreads);
+
+/* ---- gemm.c: bf16 GEMM on packed panels (AVX512-BF16; AMX tiles where the CPU and OS allow) -------------- */
+/* out (M, N) = bf16(x (M, K) @ w^T + bias) [+ res, rounded again]; wp: the panels (gemm.pack), cw: their
+   compressed copy (gemm.compress) or NULL; bias, res NULL when absent; out may be res. Strides in elements. */
+typedef struct nxd_gemm_args {
+    const uint16_t* x;
+    int64_t M, K, xs;
+    const uint16_t* wp;
+    const uint8_t* cw;
+    const uint16_t* bias;
+    const uint16_t* res;
+    int64_t rs, N;
+    uint16_t* out;
+    int64_t os;
+    int32_t nthreads;
+} nxd_gemm_args;
+
+int gemm_available(void);
+int gemm_amx(void);          /* asks the OS for AMX once; whether GEMMs use it */
+int gemm_set_amx(int on);    /* AMX off (0) or back on where available (1); whether it is on */
+int gemm_cw_header_size(void);
+void gemm_bf16(const nxd_gemm_args* a);
+void gemm_set_work_stealing(int on);
+void gemm_set_x_block_bytes(int64_t bytes);
+
+/* ---- decode.c: the fused bf16 decoder forward (AVX512-BF16) ------------------------------------------------ */
+/* x (T, H) overwritten with the stack's output; lw: 16 pointers per layer (see decode.c); scratch ws (bf16)
+   and fs (fp32, decode_forward_scratch(G, max pos + 1) floats per thread); A alternatives after the rows,
+   their K/V in alt_kv; keep (K increasing token indices) or NULL. */
+typedef struct nxd_decode_args {
+    uint16_t* x;
+    int64_t T;
+    const uint16_t* const* lw;
+    const int64_t* windows;
+    int64_t L;
+    const uint16_t* final_norm;
+    const uint16_t* cos;
+    const uint16_t* sin;
+    const int64_t* slots;
+    const int64_t* pos;
+    int64_t H, NH, NKV, D, I, c_ss, c_sh;
+    uint16_t* ws;
+    float* fs;
+    int64_t A;
+    uint16_t* alt_kv;
+    const uint16_t* silu_tab;
+    const int64_t* keep;
+    int64_t K;
+    float eps;
+    int32_t nthreads;
+} nxd_decode_args;
+
+int decode_forward_available(void);
+void decode_forward_bf16(const nxd_decode_args* a);
+int64_t decode_forward_scratch(int64_t G, int64_t maxctx);
+void decode_forward_set_block_min(int64_t n);
+int64_t decode_forward_block_min(void);
+void decode_forward_silu_mul(const uint16_t* tab, const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n);
+
+/* ---- greedy_head.c: argmax of an LM head's bf16 logits without the logits (AVX512-BF16 + VNNI) ------------ */
+/* See greedy_head.c for the screen's layout. Returns the columns computed again in bf16, -1 if a row was not
+   finite (its out is -1), -2 without memory. */
+typedef struct nxd_greedy_head_args {
+    const uint16_t* x;
+    int64_t M, K, xs;
+    const int32_t* rest;
+    int64_t KR;
+    const int32_t* S;
+    int64_t KS;
+    const int8_t* wq;
+    const uint16_t* ws;
+    const float* const* colp;
+    const int32_t* csum;
+    const uint16_t* wfull;
+    int64_t N;
+    int64_t* out;
+    uint8_t* xq;
+    uint16_t* xsb;
+    float* rowf;
+    int32_t* list_idx;
+    float* list_hi;
+    int32_t nthreads;
+} nxd_greedy_head_args;
+
+int greedy_head_available(void);
+int64_t greedy_head_argmax(const nxd_greedy_head_args* a);
+
+/* ---- kernels.c: the layout check ---------------------------------------------------------------------------- */
+/* One entry per field of every struct above (field = its name), plus one per struct with field NULL and size
+   = sizeof(struct). */
+typedef struct nxd_field_layout {
+    const char* type;
+    const char* field;
+    int64_t offset;
+    int64_t size;
+} nxd_field_layout;
+
+const nxd_field_layout* nxd_struct_layouts(int64_t* count);
+
+#endif

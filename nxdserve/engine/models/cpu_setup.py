@@ -1,0 +1,19 @@
+"""Applies ``CpuOptions`` to the CPU forward's modules, once, when the torch backend is built."""
+
+from __future__ import annotations
+
+from nxdserve.cpu_options import CpuOptions
+from nxdserve.engine.models import cpu_kernels, fused_decode, gemm, greedy_head, huge_pages, linear
+
+
+def apply(options: CpuOptions) -> str:
+    """Set every switch from ``options``; returns the C kernels' path (``cpu_kernels.configure``). Raises
+    ConfigError for an ISA this CPU cannot run."""
+    path = cpu_kernels.configure(options.isa, options.amx)
+    gemm.enabled = options.gemm
+    gemm.compression = options.compressed_weights
+    fused_decode.enabled = options.fused_decode
+    greedy_head.enabled = options.greedy_head
+    linear.enabled = options.packed_linear
+    huge_pages.enabled = options.kv_huge_pages
+    return path
