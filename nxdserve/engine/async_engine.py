@@ -1,4 +1,5 @@
-"""AsyncEngine: the embedded API. One engine-loop task; the model forward runs in a worker thread."""
+"""AsyncEngine: the embedded API. One engine-loop task drives EngineCore's step order (``launch`` /
+``complete``) with overlap; the model forward and drafting run in a worker thread."""
 
 from __future__ import annotations
 
@@ -8,21 +9,25 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.core import EngineCore, EngineStats
+from nxdserve.engine.core import (
+    AwaitForwardStarted,
+    AwaitResult,
+    Driven,
+    EngineCore,
+    EngineStats,
+    InFlightStep,
+    RunInWorker,
+)
 from nxdserve.engine.outputs import RequestOutput
 from nxdserve.errors import EngineDeadError, InvalidRequestError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 
-if TYPE_CHECKING:
-    from nxdserve.engine.backends.base import StepResult
-    from nxdserve.scheduler.scheduler import SchedulerOutput
-
 logger = logging.getLogger(__name__)
 
-_MAX_CONSECUTIVE_STEP_FAILURES = 3
+T = TypeVar("T")
 _LOG_INTERVAL_S = 10.0
 
 
@@ -92,7 +97,6 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._pending_aborts: list[str] = []
         self._wakeup = asyncio.Event()
         self._accepting = False
         self._stopping = False
@@ -103,6 +107,7 @@ class AsyncEngine:
         self._last_log = time.monotonic()
         self._last_log_tokens = (0, 0)
         self._forward_started: asyncio.Future[None] | None = None
+        self._forward: asyncio.Future[Any] | None = None  # the last forward started in the worker thread
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -121,7 +126,7 @@ class AsyncEngine:
         self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
         logger.info(
             "engine ready: backend=%s mode=%s max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
-            self.backend_name, self.config.scheduling_mode, self.max_model_len, self.core.batch.max_num_seqs,
+            self.backend_name, self.config.scheduling_mode, self.max_model_len, self.core.num_slots,
             self.config.max_num_batched_tokens,
         )
 
@@ -263,7 +268,7 @@ class AsyncEngine:
         if out is not None:
             self.core.record_outputs([out])
             stream.put(out)
-        self._pending_aborts.append(request_id)
+        self.core.abort_before_next_step([request_id])
         self._wakeup.set()
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -276,29 +281,37 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             stream.put(out)
 
-    def _apply_aborts(self, core: EngineCore) -> None:
-        if self._pending_aborts:
-            ids, self._pending_aborts = self._pending_aborts, []
-            core.abort(ids)  # the callers already stopped listening; outputs are dropped
-
-    def _launch(self, core: EngineCore) -> tuple[SchedulerOutput, asyncio.Future[StepResult]] | None:
-        """Apply pending aborts, schedule the next step and start its forward in the worker thread."""
-        self._apply_aborts(core)
-        if not core.has_unfinished:
-            return None
-        sched = core.schedule()
-        if sched.is_empty:
-            return None
+    async def _drive(self, steps: Driven[T]) -> T:
+        """Run EngineCore's step order here: its worker calls in the model thread, without blocking the loop."""
         loop = asyncio.get_running_loop()
-        self._forward_started = loop.create_future()
-        return sched, loop.run_in_executor(self._executor, core.execute, sched)
+        value: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                op = steps.throw(error) if error is not None else steps.send(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            value = error = None
+            if isinstance(op, RunInWorker):
+                if op.forward:
+                    self._forward_started = loop.create_future()
+                value = loop.run_in_executor(self._executor, op.fn, *op.args)
+                if op.forward:
+                    self._forward = value
+            elif isinstance(op, AwaitResult):
+                try:
+                    value = await op.handle
+                except Exception as failure:  # the order decides what a failed call means
+                    error = failure
+            elif isinstance(op, AwaitForwardStarted):
+                await self._until_forward_started(op.handle)
 
     def _mark_forward_started(self) -> None:
         started = self._forward_started
         if started is not None and not started.done():
             started.set_result(None)
 
-    async def _until_forward_started(self, forward: asyncio.Future[StepResult]) -> None:
+    async def _until_forward_started(self, forward: asyncio.Future[Any]) -> None:
         """Wait, idle (the GIL free), until the worker thread has set up the step and entered the model's
         compute (or the step ended: a backend need not say). Measured served (medians): with this thread's
         output processing and stream writes running from the launch on, the worker took 0.54 ms to start the
@@ -309,13 +322,11 @@ class AsyncEngine:
 
     async def _run_loop(self) -> None:
         core = self._core
-        loop = asyncio.get_running_loop()
-        failures = 0
-        step: tuple[SchedulerOutput, asyncio.Future[StepResult]] | None = None
+        step: InFlightStep | None = None
         try:
             while True:
                 if step is None:
-                    step = self._launch(core)
+                    step = await self._drive(core.launch())
                 if step is None:
                     if core.has_unfinished:  # scheduled nothing (e.g. every slot waits on a cap)
                         await asyncio.sleep(0.001)
@@ -325,36 +336,17 @@ class AsyncEngine:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                     continue
-                sched, forward = step
-                step = None
-                try:
-                    result = await forward
-                except Exception as error:
-                    failures += 1
-                    self._deliver(core.fail_step(sched, error))
-                    if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
-                        raise EngineDeadError(f"{failures} consecutive steps failed; last: {error}") from error
-                    continue
-                failures = 0
-                processed = core.update(sched, result)
-                # The next forward starts before this step's outputs are made and reach the streams, so
-                # detokenization and the handlers' work (JSON, SSE writes: ~3 ms a step at 32 streams) run
-                # while the worker thread computes, not between forwards. Scheduling (and drafting) needs only
-                # update()'s bookkeeping, unless a stop string may end a request in this step's text.
-                outputs = core.emit(processed) if processed.may_stop_on_text else None
-                if core.proposer is not None:
-                    await loop.run_in_executor(self._executor, core.propose, sched, result)
-                step = self._launch(core)
-                if step is not None and core.backend.reports_forward_start:
-                    await self._until_forward_started(step[1])
-                self._deliver(outputs if outputs is not None else core.emit(processed))
+                # Step n's outputs come back with step n + 1 already computing (see EngineCore.complete).
+                outputs, step = await self._drive(core.complete(step, overlap=True))
+                self._deliver(outputs)
                 self._maybe_log(core)
                 if step is None:
                     await asyncio.sleep(0)  # let the handlers run before the loop idles
         except BaseException as error:
-            if step is not None:  # a forward still in flight: let it finish before failing its requests
+            forward = self._forward
+            if forward is not None and not forward.done():  # let a forward in flight finish before failing
                 with contextlib.suppress(BaseException):
-                    await asyncio.shield(step[1])
+                    await asyncio.shield(forward)
             if not isinstance(error, asyncio.CancelledError):
                 logger.exception("engine loop died")
                 self.dead_error = error

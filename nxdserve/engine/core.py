@@ -1,7 +1,15 @@
-"""EngineCore: schedule -> backend.execute -> update, with the whole loop readable in ``step()``.
+"""EngineCore: the step order and its failure handling, once, for both drivers.
 
-The core is synchronous and single-threaded. AsyncEngine drives the same three phases but runs
-``execute`` in a worker thread so the event loop keeps serving HTTP while the model computes.
+A step is: schedule, execute (the backend's forward and sampling), update (the scheduler's bookkeeping),
+propose (drafts for the next step), emit (detokenize, stop strings, RequestOutputs). ``launch`` and
+``complete`` write that order as generators of ``WorkerOp``s: wherever the order needs the worker thread
+(execute, propose) it yields, and its driver runs the call there. ``EngineCore.step()`` drives them inline,
+one step at a time; AsyncEngine drives the same generators with the worker thread and overlap: step n + 1
+is scheduled and its forward started before step n's outputs are emitted (unless a stop string may end a
+request in step n's text, when emit must come first).
+
+Failure handling lives here too: a failed backend step ends only that step's requests, and after
+``MAX_CONSECUTIVE_STEP_FAILURES`` in a row the next ``launch`` raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -9,21 +17,88 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.backends.base import Backend, StepResult
+from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.metrics import EngineMetrics
 from nxdserve.engine.output_processor import OutputProcessor
 from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
-from nxdserve.errors import InvalidRequestError, QueueFullError, RequestTooLongError
+from nxdserve.engine.step import RequestUpdate, StepResult
+from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTooLongError
 from nxdserve.sampling_params import SamplingParams
-from nxdserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from nxdserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+T = TypeVar("T")
+
+
+@dataclass
+class RunInWorker:
+    """Start ``fn(*args)`` in the worker thread; the driver sends back a handle on the running call."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    forward: bool = False  # the step's forward: the driver may listen for the backend's forward_started
+
+
+@dataclass
+class AwaitResult:
+    """Wait for a call started by RunInWorker; the driver sends back its result or throws its exception."""
+
+    handle: Any
+
+
+@dataclass
+class AwaitForwardStarted:
+    """Wait, without using the GIL, until the forward behind ``handle`` entered the model's compute (or ended)."""
+
+    handle: Any
+
+
+WorkerOp = RunInWorker | AwaitResult | AwaitForwardStarted
+Driven = Generator[WorkerOp, Any, T]
+
+
+@dataclass
+class InFlightStep:
+    """A scheduled step whose forward was started: ``forward`` is the driver's handle on it."""
+
+    sched: SchedulerOutput
+    forward: Any
+
+
+@dataclass
+class _Finished:
+    """The inline driver's handle: the call already ran."""
+
+    value: Any = None
+    error: Exception | None = None
+
+
+def run_inline(steps: Driven[T]) -> T:
+    """Drive ``steps`` in this thread, each worker call run when it is started (no overlap)."""
+    value: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            op = steps.throw(error) if error is not None else steps.send(value)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        value = error = None
+        if isinstance(op, RunInWorker):
+            try:
+                value = _Finished(op.fn(*op.args))
+            except Exception as failure:  # re-raised where the order awaits the call
+                value = _Finished(error=failure)
+        elif isinstance(op, AwaitResult):
+            value, error = op.handle.value, op.handle.error
 
 
 class Proposer(Protocol):
@@ -104,15 +179,18 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos)
         self.proposer = proposer
         max_spec = proposer.max_spec_tokens if proposer is not None else config.num_speculative_tokens
-        self.batch = PersistentBatch(min(config.max_num_seqs, caps.max_num_seqs), self.max_model_len, max_spec)
-        backend.bind(self.batch)
-        self.scheduler = Scheduler(config, caps, self.batch)
+        self.num_slots = min(config.max_num_seqs, caps.max_num_seqs)
+        backend.bind(self.num_slots, self.max_model_len, max_spec)  # the backend creates and owns the batch
+        self.scheduler = Scheduler(config, caps)
         self.outputs = OutputProcessor(tokenizer)
         self.metrics = metrics
         self.timings = StepTimings()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_finished_total = 0
+        self.consecutive_failures = 0
+        self._last_failure: BaseException | None = None
+        self._deferred_aborts: list[str] = []
 
     # -- admission ---------------------------------------------------------------------------------
     def make_request(
@@ -167,7 +245,8 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Free the requests' slots. Only call between steps (the backend reads the batch arrays)."""
+        """Finish the requests; their slots go back to the scheduler, and to the backend's batch with the next
+        plan. Not while a step's update is pending (the async engine defers aborts: ``abort_before_next_step``)."""
         finished = self.scheduler.finish_requests(request_ids, status)
         self.num_finished_total += len(finished)
         if finished and self.metrics is not None:  # keep gauges true when the engine goes idle after aborts
@@ -178,7 +257,54 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    # -- one step, in three phases ------------------------------------------------------------------
+    # -- the step order -----------------------------------------------------------------------------
+    def launch(self) -> Driven[InFlightStep | None]:
+        """Apply deferred aborts, schedule the next step and start its forward in the worker thread. None:
+        nothing to run now. Raises EngineDeadError after too many consecutive failed steps."""
+        if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(
+                f"{self.consecutive_failures} consecutive steps failed; last: {self._last_failure}"
+            ) from self._last_failure
+        if self._deferred_aborts:
+            ids, self._deferred_aborts = self._deferred_aborts, []
+            self.abort(ids)  # the callers already stopped listening; outputs are dropped
+        if not self.has_unfinished:
+            return None
+        sched = self.schedule()
+        if sched.is_empty:
+            return None
+        forward = yield RunInWorker(self.execute, (sched,), forward=True)
+        return InFlightStep(sched, forward)
+
+    def complete(self, step: InFlightStep, overlap: bool) -> Driven[tuple[list[RequestOutput], InFlightStep | None]]:
+        """Finish ``step``: its result (or failure), update, drafts for the next step, its outputs. With
+        ``overlap`` the next step is launched before the outputs are made, and returned with them."""
+        try:
+            result = yield AwaitResult(step.forward)
+        except Exception as error:  # a backend failure ends only this step's requests
+            self.consecutive_failures += 1
+            self._last_failure = error
+            return self.fail_step(step.sched, error), None
+        self.consecutive_failures = 0
+        processed = self.update(step.sched, result)
+        # Scheduling (and drafting) needs only update()'s bookkeeping, unless a stop string may end a request
+        # in this step's text: then the outputs are made first. Otherwise detokenization and the handlers' work
+        # (JSON, SSE writes: ~3 ms a step at 32 streams) run while the worker thread computes the next step.
+        outputs = self.emit(processed) if not overlap or processed.may_stop_on_text else None
+        if self.proposer is not None:
+            yield AwaitResult((yield RunInWorker(self.propose, (step.sched, result))))
+        following = None
+        if overlap:
+            following = yield from self.launch()
+            if following is not None and self.backend.reports_forward_start:
+                yield AwaitForwardStarted(following.forward)
+        return (outputs if outputs is not None else self.emit(processed)), following
+
+    def abort_before_next_step(self, request_ids: list[str]) -> None:
+        """Abort when the next step is launched (the async engine: a step may be in flight now)."""
+        self._deferred_aborts.extend(request_ids)
+
+    # -- the phases ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -188,9 +314,6 @@ class EngineCore:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """The model forward and sampling. Runs in the worker thread under AsyncEngine."""
         return self.backend.execute(sched.plan)
-
-    def process(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        return self.emit(self.update(sched, result))
 
     def update(self, sched: SchedulerOutput, result: StepResult) -> StepUpdates:
         """The scheduler's half of processing a step: tokens appended, length/EOS finishes, slots freed,
@@ -229,24 +352,24 @@ class EngineCore:
         return outputs
 
     def propose(self, sched: SchedulerOutput, result: StepResult) -> None:
-        """Draft tokens for the next step. Model compute: runs in the worker thread under AsyncEngine."""
+        """Draft tokens for the next step, from the backend's batch (which holds this step's tokens now).
+        Model compute: runs in the worker thread."""
         if self.proposer is None:
             return
         t0 = time.perf_counter()
-        self.proposer.propose(self.scheduler.running, self.batch, sched, result)
+        batch = self.backend.batch
+        assert batch is not None
+        self.proposer.propose(self.scheduler.running, batch, sched, result)
         self.timings.propose += time.perf_counter() - t0
 
     def _record_spec(self, updates: list[Any], result: StepResult) -> None:
         if self.metrics is None:
             return
-        alternatives = result.aux.get("draft_alternatives")
-        if alternatives is not None:
-            self.metrics.record_alternatives(*alternatives)
-        fused = result.aux.get("fused_accepted_drafts")  # the NxD backend verifies drafts on device
+        if result.draft_alternatives is not None:
+            self.metrics.record_alternatives(*result.draft_alternatives)
+        fused = result.fused_spec  # the NxD backend verifies drafts on device
         if fused is not None:
-            accepted = [int(a) for a in fused if a >= 0]
-            width = int(result.aux.get("fused_num_drafts", 0))
-            drafts = [(width, a) for a in accepted]
+            drafts = [(fused.num_drafts, int(a)) for a in fused.accepted_drafts if a >= 0]
         else:
             drafts = [(u.num_drafts, u.num_accepted_drafts) for u in updates if u.num_drafts > 0]
         if not drafts:
@@ -292,29 +415,25 @@ class EngineCore:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        sched = self.schedule()
-        if sched.is_empty:
+        """One step, run inline without overlap: the order the async engine pipelines."""
+        step = run_inline(self.launch())
+        if step is None:
             return []
-        try:
-            result = self.execute(sched)
-        except Exception as error:  # a backend failure ends only this step's requests
-            return self.fail_step(sched, error)
-        outputs = self.process(sched, result)
-        self.propose(sched, result)
+        outputs, _ = run_inline(self.complete(step, overlap=False))
         return outputs
 
     # -- introspection -----------------------------------------------------------------------------
     @property
     def kv_cache_usage(self) -> float:
         """KV is reserved per slot at admission, so usage is the fraction of slots taken."""
-        return len(self.scheduler.running) / self.batch.max_num_seqs
+        return len(self.scheduler.running) / self.num_slots
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_slots_used=len(self.scheduler.running),
-            num_slots=self.batch.max_num_seqs,
+            num_slots=self.num_slots,
             kv_cache_usage=self.kv_cache_usage,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,

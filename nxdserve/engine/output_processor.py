@@ -6,12 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nxdserve.engine.backends.base import LogprobsBlock, StepResult
 from nxdserve.engine.detokenizer import IncrementalDetokenizer, TokenTextCache, find_stop_string
 from nxdserve.engine.outputs import CompletionOutput, Logprob, LogprobsList, RequestMetrics, RequestOutput
 from nxdserve.engine.request import Request
+from nxdserve.engine.step import LogprobsBlock, RequestUpdate, StepResult
 from nxdserve.sampling_params import OutputKind, SamplingParams
-from nxdserve.scheduler.scheduler import RequestUpdate
 
 
 @dataclass

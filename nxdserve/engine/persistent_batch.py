@@ -1,9 +1,11 @@
 """Persistent batch: per-slot arrays that live for the whole engine and change by diffs.
 
 A slot is one KV-cache line (an NxD ``seq_id``). A request owns its slot from admission to finish or
-abort. The scheduler writes only the rows that changed in a step (a new request, appended tokens,
-drafts, a freed slot); backends read these arrays with vectorised numpy/torch code, so the per-step
-cost of steady-state decode does not grow with Python work per request.
+abort. The backend owns the batch and is its only writer, in its own thread: ``apply`` takes the diffs a
+``StepPlan`` carries (freed slots, new requests, drafts) at the start of a step, ``append_sampled`` the
+step's tokens at its end (see nxdserve/engine/step.py). Backends, the sampler and the proposers read these
+arrays with vectorised numpy/torch code, so the per-step cost of steady-state decode does not grow with
+Python work per request.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nxdserve.engine.step import StepPlan
 from nxdserve.sampling_params import SamplingParams
 
 
@@ -45,7 +48,34 @@ class PersistentBatch:
         # Bumped whenever a slot is added or removed; backends cache derived tensors against it.
         self.version = 0
 
-    # -- diffs written by the scheduler ------------------------------------------------------------
+    # -- diffs, applied by the owning backend --------------------------------------------------------
+    def apply(self, plan: StepPlan) -> None:
+        """Bring the batch up to ``plan``: free, then admit (a slot may be freed and taken again between two
+        plans), then write each drafting row's drafts after its last real token."""
+        for slot in plan.freed_slots:
+            self.remove(slot)
+        for new in plan.new_requests:
+            self.add(new.slot, new.request_id, new.prompt_token_ids, new.params, new.min_tokens_stop_ids)
+        drafts = plan.draft_token_ids
+        if drafts is not None:
+            rows = np.flatnonzero(plan.num_drafts > 0)
+            slots = plan.slots[rows]
+            counts = plan.num_drafts[rows]
+            cols = np.arange(drafts.shape[1])[None, :]
+            take = cols < counts[:, None]
+            positions = self.num_tokens[slots][:, None] + cols
+            self.token_ids[np.broadcast_to(slots[:, None], take.shape)[take], positions[take]] = drafts[rows][take]
+
+    def append_sampled(self, slots: np.ndarray, token_ids: np.ndarray, num_sampled: np.ndarray) -> None:
+        """A step's tokens: row r of ``token_ids`` (R, W) holds ``num_sampled[r]`` tokens for ``slots[r]``."""
+        if not num_sampled.any():
+            return
+        cols = np.arange(token_ids.shape[1])[None, :]
+        take = cols < num_sampled[:, None]
+        positions = self.num_tokens[slots].astype(np.int64)[:, None] + cols
+        self.token_ids[np.broadcast_to(slots[:, None], take.shape)[take], positions[take]] = token_ids[take]
+        self.num_tokens[slots] += num_sampled.astype(np.int32)
+
     def add(
         self,
         slot: int,
@@ -54,7 +84,8 @@ class PersistentBatch:
         params: SamplingParams,
         stop_ids_for_min_tokens: list[int],
     ) -> None:
-        assert not self.active[slot], f"slot {slot} is already taken"
+        # A slot still marked active is overwritten: its free was in a plan whose step failed before the
+        # backend applied it, and the new request replaces whatever it held.
         n = len(prompt_token_ids)
         self.token_ids[slot, :n] = prompt_token_ids
         self.num_tokens[slot] = n

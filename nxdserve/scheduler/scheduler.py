@@ -16,7 +16,10 @@ differ in how a step may mix them:
   runs when a slot is free and the head prompt fits, but never more than
   ``max_consecutive_prefill_steps`` in a row while decodes wait (anti-starvation).
 
-Slots are whole KV lines, reserved at admission, so nothing is ever preempted.
+Slots are whole KV lines, reserved at admission, so nothing is ever preempted. The scheduler never
+touches the backend's persistent batch: each plan carries what changed since the previous one (freed
+slots, new requests, drafts; see nxdserve/engine/step.py), and a finish or abort between steps only
+records its freed slot for the next plan.
 
 Prefix caching (``enable_prefix_caching``, where prompts may start mid-slot): a freed slot remembers the
 tokens whose KV its line still holds, and a waiting prompt takes the free slot that shares the longest
@@ -32,14 +35,13 @@ import heapq
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.backends.base import BackendCapabilities, StepPlan, StepResult
-from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
+from nxdserve.engine.step import BackendCapabilities, NewRequest, RequestUpdate, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +61,8 @@ class SchedulerOutput:
         return not self.requests
 
 
-@dataclass
-class RequestUpdate:
-    """What one step did for one request, before detokenization."""
-
-    request: Request
-    row: int  # row in the step's plan/result
-    new_token_ids: list[int]
-    finished: bool
-    num_drafts: int = 0
-    num_accepted_drafts: int = 0
-    prompt_logprobs_rows: list[int] = field(default_factory=list)
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, caps: BackendCapabilities, batch: PersistentBatch) -> None:
+    def __init__(self, config: EngineConfig, caps: BackendCapabilities) -> None:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len = config.max_model_len
         self.max_num_seqs = min(config.max_num_seqs, caps.max_num_seqs)
@@ -92,7 +81,6 @@ class Scheduler:
         self.whole_prompt_overflow = (config.whole_prompt_overflow or 0) if self.chunked else 0
         self.max_consecutive_prefills = config.max_consecutive_prefill_steps
         self.max_prefills_per_step = caps.max_prefills_per_step
-        self.batch = batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -112,7 +100,7 @@ class Scheduler:
         self._queried_since_plan = 0
         self._cached_since_plan = 0
         self._freed_since_plan: list[int] = []
-        self._taken_since_plan: list[int] = []
+        self._new_since_plan: list[NewRequest] = []
         self._consecutive_prefill_steps = 0
 
     # -- requests in and out -----------------------------------------------------------------------
@@ -137,7 +125,6 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         if request.slot is not None:
             self.running.remove(request)
-            self.batch.remove(request.slot)
             if self.prefix_caching:
                 self._remember(request)
             heapq.heappush(self._free_slots, request.slot)
@@ -191,11 +178,9 @@ class Scheduler:
         request.slot = slot
         request.status = RequestStatus.RUNNING
         request.first_scheduled_time = time.monotonic()
-        self.batch.add(
-            slot, request.request_id, request.prompt_token_ids, request.params,
-            request.stop_ids_for_min_tokens(),
-        )
-        self._taken_since_plan.append(slot)
+        self._new_since_plan.append(NewRequest(
+            slot, request.request_id, request.prompt_token_ids, request.params, request.stop_ids_for_min_tokens(),
+        ))  # fmt: skip
         self.running.append(request)
 
     @property
@@ -310,6 +295,7 @@ class Scheduler:
         prefill_tokens = 0
         requests = []
         alternatives: list[tuple[int, list[int]]] = []
+        drafting: list[tuple[int, list[int]]] = []
         for i, (request, num_new) in enumerate(rows):
             computed = request.num_computed_tokens
             slots[i] = request.slot
@@ -320,7 +306,7 @@ class Scheduler:
                 request.spec_token_ids = request.spec_token_ids[:drafts]
             if drafts:
                 num_drafts[i] = drafts
-                self.batch.set_drafts(request.slot, request.spec_token_ids)  # type: ignore[arg-type]
+                drafting.append((i, request.spec_token_ids))
                 if request.spec_alt_ids:
                     alternatives.append((i, request.spec_alt_ids))
             request.spec_alt_ids = []  # verified with this step's drafts, or never
@@ -336,11 +322,15 @@ class Scheduler:
             num_scheduled=num_scheduled,
             num_drafts=num_drafts,
             sample=sample,
-            freed_slots=self._freed_since_plan,
-            new_slots=self._taken_since_plan,
         )
-        self._freed_since_plan = []
-        self._taken_since_plan = []
+        if n:  # an empty plan never runs: its diffs wait for the next one
+            plan.freed_slots, self._freed_since_plan = self._freed_since_plan, []
+            plan.new_requests, self._new_since_plan = self._new_since_plan, []
+        if drafting:
+            table = np.full((n, max(len(ids) for _, ids in drafting)), -1, dtype=np.int64)
+            for i, ids in drafting:
+                table[i, : len(ids)] = ids
+            plan.draft_token_ids = table
         total = int(num_scheduled.sum())
         num_alternatives = sum(len(ids) for _, ids in alternatives)
         # Alternatives run as tokens of the forward: only where the step's budget still has room for them.
@@ -379,7 +369,6 @@ class Scheduler:
                 if request.check_stop(self.max_model_len):
                     finished = True
                     break  # tokens after a stop are dropped
-            self.batch.append(request.slot, new_tokens)  # type: ignore[arg-type]
             updates.append(
                 RequestUpdate(
                     request,

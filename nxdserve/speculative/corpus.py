@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nxdserve.engine.backends.base import StepResult
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request
+from nxdserve.engine.step import StepResult
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from nxdserve.scheduler.scheduler import SchedulerOutput
 
@@ -66,8 +66,8 @@ class FeatureRecorder:
     def propose(
         self, requests: list[Request], batch: PersistentBatch, sched: SchedulerOutput, result: StepResult
     ) -> None:
-        hidden = result.aux["token_hidden_states"]
-        offsets = result.aux["token_offsets"]
+        hidden, offsets = result.token_hidden_states, result.token_offsets
+        assert hidden is not None and offsets is not None, "the backend keeps hidden states for the recorder"
         for row, request in enumerate(sched.requests):
             span = hidden[int(offsets[row]) : int(offsets[row + 1])]
             start = int(sched.plan.start_pos[row])

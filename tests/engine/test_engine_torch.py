@@ -83,7 +83,7 @@ def test_stop_string_across_token_boundary(include: bool) -> None:
     for d in deltas[:-1]:
         emitted += d
         assert before.startswith(emitted)
-    assert core.scheduler.num_free_slots == core.batch.max_num_seqs
+    assert core.scheduler.num_free_slots == core.num_slots
 
 
 def test_bad_input_gives_typed_errors_and_engine_keeps_serving() -> None:
@@ -108,7 +108,7 @@ def test_bad_input_gives_typed_errors_and_engine_keeps_serving() -> None:
     with pytest.raises(InvalidRequestError, match="logprobs"):
         core.make_request(good, SamplingParams(logprobs=21))
     out = run_to_completion(core, [good], greedy(max_tokens=4))[0]
-    assert len(out.outputs[0].token_ids) == 4 and core.scheduler.num_free_slots == core.batch.max_num_seqs
+    assert len(out.outputs[0].token_ids) == 4 and core.scheduler.num_free_slots == core.num_slots
 
 
 def test_abort_frees_the_slot_and_is_idempotent() -> None:
@@ -117,12 +117,16 @@ def test_abort_frees_the_slot_and_is_idempotent() -> None:
     core.add_request(request)
     core.step()
     core.step()
-    assert core.scheduler.num_free_slots == core.batch.max_num_seqs - 1
+    assert core.scheduler.num_free_slots == core.num_slots - 1
     outs = core.abort([request.request_id])
     assert outs and outs[0].outputs[0].finish_reason == "abort"
     assert core.abort([request.request_id, "unknown"]) == []
-    assert core.scheduler.num_free_slots == core.batch.max_num_seqs and not core.has_unfinished
-    assert not core.batch.active.any()
+    assert core.scheduler.num_free_slots == core.num_slots and not core.has_unfinished
+    # The backend's batch learns of the free with the next plan: the next request's step.
+    batch = core.backend.batch
+    assert batch is not None and batch.request_ids.count(request.request_id) == 1
+    run_to_completion(core, tokenize(core, ["Hi"]), greedy(max_tokens=1))
+    assert request.request_id not in batch.request_ids
 
 
 @pytest.mark.parametrize("mode", [CHUNKED, PREFILL_FIRST], ids=["chunked", "prefill-first"])

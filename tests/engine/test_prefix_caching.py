@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request
 from nxdserve.sampling_params import SamplingParams
 from nxdserve.scheduler.scheduler import Scheduler, _common_prefix_len
@@ -95,9 +94,7 @@ def test_no_reuse_when_off_for_prompt_logprobs_or_with_speculation() -> None:
     config = EngineConfig(max_model_len=64, max_num_seqs=2, enable_prefix_caching=True,
                           speculative_config={"method": "ngram", "num_speculative_tokens": 2}).resolve(None)
     backend = CountingBackend(2, 64, eos=EOS)
-    batch = PersistentBatch(2, 64, max_spec_tokens=2)
-    backend.bind(batch)
-    assert not Scheduler(config, backend.capabilities, batch).prefix_caching
+    assert not Scheduler(config, backend.capabilities).prefix_caching
 
 
 def test_common_prefix_len() -> None:

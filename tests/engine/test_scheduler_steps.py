@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
 from nxdserve.sampling_params import SamplingParams
 from nxdserve.scheduler.scheduler import Scheduler
@@ -36,9 +35,8 @@ class Harness:
             whole_prompt_overflow=overflow, enable_prefix_caching=prefix_caching,
         ).resolve(None)
         self.backend = CountingBackend(max_num_seqs, max_model_len, eos=EOS, **caps)
-        self.batch = PersistentBatch(max_num_seqs, max_model_len, max_spec_tokens=8)
-        self.backend.bind(self.batch)
-        self.scheduler = Scheduler(self.config, self.backend.capabilities, self.batch)
+        self.batch = self.backend.bind(max_num_seqs, max_model_len, max_spec_tokens=8)
+        self.scheduler = Scheduler(self.config, self.backend.capabilities)
         self.requests: dict[str, Request] = {}
 
     def add(self, rid: str, prompt_len: int, max_tokens: int | None = None, first_token: int = 1,
@@ -240,8 +238,25 @@ def test_abort_frees_slot_and_is_idempotent() -> None:
     assert h.scheduler.num_free_slots == 0
     assert [r.request_id for r in h.scheduler.finish_requests(["A"], RequestStatus.FINISHED_ABORTED)] == ["A"]
     assert h.scheduler.finish_requests(["A", "nope"], RequestStatus.FINISHED_ABORTED) == []
-    assert h.scheduler.num_free_slots == 1 and not h.batch.active.any()
+    assert h.scheduler.num_free_slots == 1
+    assert h.batch.request_ids[0] == "A"  # the backend's batch changes only with the next plan
     assert h.step().finished == ["B"]
+    plan = h.backend.plans[-1]
+    assert plan.freed_slots == [0] and [(n.slot, n.request_id) for n in plan.new_requests] == [(0, "B")]
+    assert h.batch.request_ids[0] == "B" and h.batch.num_prompt_tokens[0] == 3
+
+
+def test_a_free_without_a_step_waits_for_the_next_plan() -> None:
+    h = Harness(chunked=True, max_num_seqs=2, budget=16)
+    h.add("A", 3, max_tokens=50)
+    h.step()
+    h.scheduler.finish_requests(["A"], RequestStatus.FINISHED_ABORTED)
+    assert h.scheduler.schedule().is_empty  # nothing runs, so this plan is never sent: it carries no diffs
+    h.add("B", 4, max_tokens=1)
+    assert h.step().finished == ["B"]
+    plan = h.backend.plans[-1]
+    assert plan.freed_slots == [0] and plan.new_slots == [0]
+    assert h.batch.active.tolist() == [True, False] and h.batch.request_ids[0] == "B"
 
 
 def test_abort_of_waiting_request() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from nxdserve.engine.backends.base import StepPlan, StepResult
 from nxdserve.engine.speculative.policy import (
     EXPLORE_EVERY,
     EXPLORE_MAX,
@@ -15,6 +14,7 @@ from nxdserve.engine.speculative.policy import (
     batch_bucket,
     explore_interval,
 )
+from nxdserve.engine.step import StepPlan, StepResult
 
 
 def decode_step(batch: int, drafts: int, tokens_per_row: float, seconds: float) -> tuple[StepPlan, StepResult]:

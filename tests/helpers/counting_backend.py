@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from nxdserve.engine.backends.base import Backend, BackendCapabilities, StepPlan, StepResult
-from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.backends.base import Backend
+from nxdserve.engine.step import BackendCapabilities, StepPlan, StepResult
 
 
 class CountingBackend(Backend):
@@ -25,18 +25,14 @@ class CountingBackend(Backend):
             vocab_size=vocab_size, eos_token_ids=(eos,), **caps,  # type: ignore[arg-type]
         )
         self.kv_tokens = np.full((max_num_seqs, max_model_len), -1, dtype=np.int64)  # token whose KV is there
-        self.batch: PersistentBatch | None = None
         self.plans: list[StepPlan] = []
 
     @property
     def capabilities(self) -> BackendCapabilities:
         return self._caps
 
-    def bind(self, batch: PersistentBatch) -> None:
-        self.batch = batch
-
     def execute(self, plan: StepPlan) -> StepResult:
-        assert self.batch is not None
+        batch = self.begin_step(plan)
         self.plans.append(plan)
         width = 1 + int(plan.num_drafts.max(initial=0))
         out = np.full((plan.num_rows, width), -1, dtype=np.int64)
@@ -45,12 +41,12 @@ class CountingBackend(Backend):
         for r in range(plan.num_rows):
             slot, start, n = int(plan.slots[r]), int(plan.start_pos[r]), int(plan.num_scheduled[r])
             assert start + n <= self._caps.max_model_len - 1, "a span ran past max_model_len - 1"
-            held, own = self.kv_tokens[slot, :start], self.batch.token_ids[slot, :start]
+            held, own = self.kv_tokens[slot, :start], batch.token_ids[slot, :start]
             assert (held == own).all(), f"slot {slot}: a span at {start} over KV of other tokens ({held} vs {own})"
-            self.kv_tokens[slot, start : start + n] = self.batch.token_ids[slot, start : start + n]
+            self.kv_tokens[slot, start : start + n] = batch.token_ids[slot, start : start + n]
             if not plan.sample[r]:
                 continue
-            tokens = self.batch.token_ids[slot, start : start + n]
+            tokens = batch.token_ids[slot, start : start + n]
             drafts = int(plan.num_drafts[r])
             # Verification: target token after position p is tokens[p] + 1; accept drafts while they match.
             first = n - 1 - drafts
@@ -60,4 +56,4 @@ class CountingBackend(Backend):
             emitted = [(int(tokens[first + j]) + 1) % vocab for j in range(accepted + 1)]
             out[r, : len(emitted)] = emitted
             num[r] = len(emitted)
-        return StepResult(sampled_token_ids=out, num_sampled=num)
+        return self.end_step(plan, StepResult(sampled_token_ids=out, num_sampled=num))

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.backends.base import StepPlan
 from nxdserve.engine.backends.nxd import NxdBackend
 from nxdserve.engine.backends.nxd.inputs import cte_call
 from nxdserve.engine.loader import load_model_files, max_positions
-from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.step import NewRequest, StepPlan
 from nxdserve.sampling_params import SamplingParams
 from tests.helpers.tiny_model import tiny_model_path
 
@@ -139,21 +138,19 @@ def _plan(slots: list[int], starts: list[int], lens: list[int]) -> StepPlan:
 def test_backend_keeps_left_out_live_slots_intact(replay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # CPU sampling with logprobs: the chosen token's logprob shows any change to the KV it read.
     backend = make_backend(num_seqs=3, override_neuron_config={"on_device_sampling_config": None})
-    batch = PersistentBatch(3, 256)  # line 2 stays free, so every decode call is a partial batch
-    backend.bind(batch)
+    batch = backend.bind(3, 256, 0)  # line 2 stays free, so every decode call is a partial batch
     if not replay:  # the adapter mistake: decode only the planned rows
         monkeypatch.setattr(backend, "_missing_live_slots", lambda slots: np.zeros(0, dtype=np.int64))
 
     def next_logprob_of_long(leave_out: bool) -> float:
         for slot, prompt in ((0, LONG), (1, SHORT)):
-            if batch.active[slot]:
-                batch.remove(slot)
-            batch.add(slot, str(slot), prompt, SamplingParams(temperature=0.0, logprobs=0), [])
             plan = _plan([slot], [0], [len(prompt)])
-            plan.new_slots = [slot]
-            batch.append(slot, [int(backend.execute(plan).sampled_token_ids[0, 0])])
+            plan.freed_slots = [slot] if batch.active[slot] else []
+            plan.new_requests = [NewRequest(slot, str(slot), prompt, SamplingParams(temperature=0.0, logprobs=0), [])]
+            backend.execute(plan)  # the backend appends the sampled token to its batch itself
+            assert batch.num_tokens[slot] == len(prompt) + 1
         if leave_out:  # a decode step that plans slot 1 only; NxD pads line 0 at SHORT's position
-            batch.append(1, [int(backend.execute(_plan([1], [len(SHORT)], [1])).sampled_token_ids[0, 0])])
+            backend.execute(_plan([1], [len(SHORT)], [1]))
         logprobs = backend.execute(_plan([0], [len(LONG)], [1])).logprobs
         assert logprobs is not None
         return float(logprobs.logprobs[0, 0, 0])

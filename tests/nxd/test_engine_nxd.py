@@ -116,7 +116,7 @@ def test_abort_frees_the_slot_and_the_next_request_is_unaffected(nxd: EngineCore
         nxd.step()
     outs = nxd.abort([victim.request_id])
     assert outs and outs[0].outputs[0].finish_reason == "abort"
-    assert nxd.scheduler.num_free_slots == nxd.batch.max_num_seqs
+    assert nxd.scheduler.num_free_slots == nxd.num_slots
     # The freed line still holds the aborted request's KV: a new request there must not see it.
     assert tokens(run(nxd, [PROMPTS[0]], greedy(24))) == [expected[0]]
 

@@ -58,7 +58,8 @@ def test_fused_speculation_matches_plain_greedy(model: str, fused: EngineCore, e
     self_draft.add_request(request)
     self_draft.step()  # context encoding
     result = self_draft.backend.execute(self_draft.schedule().plan)
-    assert result.aux["fused_num_drafts"] == 3 and result.aux["fused_accepted_drafts"].tolist() == [3]
+    assert result.fused_spec is not None
+    assert result.fused_spec.num_drafts == 3 and result.fused_spec.accepted_drafts.tolist() == [3]
     self_draft.abort([request.request_id])
 
 

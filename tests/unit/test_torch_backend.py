@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.backends.base import StepPlan, StepResult
 from nxdserve.engine.backends.torch_backend import TorchBackend
 from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.step import NewRequest, StepPlan, StepResult
 from nxdserve.sampling_params import SamplingParams
 from tests.helpers.tiny_model import VOCAB_SIZE, reference_model, single_torch_thread, tiny_model_path
 
@@ -63,21 +63,32 @@ def backend() -> TorchBackend:
 
 @pytest.fixture
 def batch(backend: TorchBackend) -> PersistentBatch:
-    batch = PersistentBatch(NUM_SLOTS, MAX_LEN, max_spec_tokens=MAX_SPEC)
-    backend.bind(batch)
-    return batch
+    _new.clear()
+    return backend.bind(NUM_SLOTS, MAX_LEN, MAX_SPEC)  # a fresh batch per test: every slot free
+
+
+_new: list[NewRequest] = []  # admissions for the next plan, as the scheduler would send them
 
 
 def add(batch: PersistentBatch, slot: int, ids: list[int], **params: object) -> None:
-    batch.add(slot, f"req-{slot}", ids, SamplingParams(temperature=0.0, **params), [])  # type: ignore[arg-type]
+    _new.append(NewRequest(slot, f"req-{slot}", ids, SamplingParams(temperature=0.0, **params), []))  # type: ignore[arg-type]
 
 
-def make_plan(rows: list[tuple[int, int, int, int, bool]]) -> StepPlan:
-    """rows: (slot, start_pos, num_scheduled, num_drafts, sample), sorted by slot."""
+def make_plan(rows: list[tuple[int, int, int, int, bool]], drafts: dict[int, list[int]] | None = None) -> StepPlan:
+    """rows: (slot, start_pos, num_scheduled, num_drafts, sample), sorted by slot; drafts: slot -> its drafts.
+    The plan carries the admissions queued by ``add`` since the previous one."""
     a = np.array(sorted(rows), dtype=np.int64).reshape(-1, 5)
-    return StepPlan(
+    plan = StepPlan(
         slots=a[:, 0], start_pos=a[:, 1], num_scheduled=a[:, 2], num_drafts=a[:, 3], sample=a[:, 4].astype(bool)
     )
+    plan.new_requests = list(_new)
+    _new.clear()
+    if drafts:
+        table = np.full((plan.num_rows, MAX_SPEC), -1, dtype=np.int64)
+        for r, slot in enumerate(plan.slots.tolist()):
+            table[r, : len(drafts.get(slot, []))] = drafts.get(slot, [])
+        plan.draft_token_ids = table
+    return plan
 
 
 def run_greedy(
@@ -87,6 +98,7 @@ def run_greedy(
     different prompt lengths mix prefill chunks and decodes in one forward."""
     for slot, ids in prompts.items():
         add(batch, slot, ids)
+    num_tokens = {slot: len(ids) for slot, ids in prompts.items()}
     computed = dict.fromkeys(prompts, 0)
     outputs: dict[int, list[int]] = {s: [] for s in prompts}
     while any(len(o) < num_new for o in outputs.values()):
@@ -94,17 +106,17 @@ def run_greedy(
         for s in prompts:
             if len(outputs[s]) >= num_new:
                 continue
-            n = min(chunk, int(batch.num_tokens[s]) - computed[s])
-            rows.append((s, computed[s], n, 0, computed[s] + n == int(batch.num_tokens[s])))
+            n = min(chunk, num_tokens[s] - computed[s])
+            rows.append((s, computed[s], n, 0, computed[s] + n == num_tokens[s]))
         result = backend.execute(make_plan(rows))
         for r, (s, _, n, _, _) in enumerate(sorted(rows)):
             computed[s] += n
             if result.num_sampled[r]:
-                token = int(result.sampled_token_ids[r, 0])
-                outputs[s].append(token)
-                batch.append(s, [token])
-    for s in prompts:
-        batch.remove(s)
+                outputs[s].append(int(result.sampled_token_ids[r, 0]))
+                num_tokens[s] += 1
+    for s in prompts:  # the backend appended each sampled token to its own batch
+        assert batch.token_ids[s, len(prompts[s]) : num_tokens[s]].tolist() == outputs[s]
+        assert batch.num_tokens[s] == num_tokens[s]
     return outputs
 
 
@@ -132,7 +144,7 @@ def test_non_final_chunk_samples_nothing(backend: TorchBackend, batch: Persisten
     assert result.sampled_token_ids.tolist() == [[-1]] and result.num_sampled.tolist() == [0]
     assert result.logprobs is None and result.prompt_logprobs is None
     assert set(result.timings) == {"prepare", "forward", "sample"}
-    assert "hidden_states" not in result.aux
+    assert result.hidden_states is None and result.token_hidden_states is None
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
@@ -147,9 +159,8 @@ def test_verification_accepts_correct_drafts(
         add(batch, slot, ids)
     backend.execute(make_plan([(0, 0, 8, 0, False), (1, 0, 13, 0, False), (2, 0, 6, 0, False)]))
     truth0, truth1 = ref_greedy(p0, 4), ref_greedy(p1, 3)
-    batch.set_drafts(0, truth0[:3])
-    batch.set_drafts(1, [truth1[0], (truth1[1] + 1) % VOCAB_SIZE])
-    plan = make_plan([(0, 8, 4, 3, True), (1, 13, 3, 2, True), (2, 6, 1, 0, True)])
+    drafts = {0: truth0[:3], 1: [truth1[0], (truth1[1] + 1) % VOCAB_SIZE]}
+    plan = make_plan([(0, 8, 4, 3, True), (1, 13, 3, 2, True), (2, 6, 1, 0, True)], drafts)
     if with_draft_probs:
         plan.draft_probs = torch.full((3, MAX_SPEC, VOCAB_SIZE), 1.0 / VOCAB_SIZE)
     result = backend.execute(plan)
@@ -191,16 +202,35 @@ def test_sample_logprobs_and_hidden_states(backend: TorchBackend, batch: Persist
     assert token == int(ref.argmax()) and result.logprobs.token_ids[0, 0, 0] == token
     np.testing.assert_allclose(result.logprobs.logprobs[0, 0, 0], ref[token].item(), atol=1e-4)
     assert result.logprobs.ranks[0, 0] == 1 and result.logprobs.token_ids[1, 0, 0] == -1
-    hidden = result.aux["hidden_states"]
+    hidden = result.hidden_states
+    assert hidden is not None and result.token_hidden_states is not None and result.token_offsets is not None
     assert hidden.shape == (2, 1, 64)
     with torch.no_grad():
         out = reference_model(tiny_model_path("llama"))(torch.tensor([p0]), output_hidden_states=True)
     torch.testing.assert_close(hidden[0, 0], out.hidden_states[-1][0, -1], atol=1e-4, rtol=0)
-    assert result.aux["token_hidden_states"].shape == (14, 64)
+    assert result.token_hidden_states.shape == (14, 64) and result.token_offsets.tolist() == [0, 10, 14]
 
 
 def test_bind_rejects_a_larger_batch(backend: TorchBackend) -> None:
     from nxdserve.errors import ConfigError
 
     with pytest.raises(ConfigError):
-        backend.bind(PersistentBatch(NUM_SLOTS + 1, MAX_LEN))
+        backend.bind(NUM_SLOTS + 1, MAX_LEN, 0)
+
+
+def test_plan_diffs_free_before_they_admit(backend: TorchBackend, batch: PersistentBatch) -> None:
+    """A slot freed and taken again between two plans: the plan frees it first, then writes the new prompt."""
+    first, second = prompt(5, 11), prompt(7, 12)
+    add(batch, 1, first, logprobs=2)
+    backend.execute(make_plan([(1, 0, 5, 0, True)]))
+    assert batch.request_ids[1] == "req-1" and batch.num_tokens[1] == 6 and batch.num_logprobs[1] == 2
+    add(batch, 1, second)
+    plan = make_plan([(1, 0, 7, 0, True)])
+    plan.freed_slots = [1]
+    result = backend.execute(plan)
+    assert batch.num_prompt_tokens[1] == 7 and batch.num_tokens[1] == 8 and batch.num_logprobs[1] == -1
+    assert batch.token_ids[1, :8].tolist() == [*second, int(result.sampled_token_ids[0, 0])]
+    freed = make_plan([])
+    freed.freed_slots = [1]
+    backend.execute(freed)  # an empty plan still applies its diffs
+    assert not batch.active.any() and batch.num_tokens[1] == 0

@@ -22,18 +22,13 @@ import numpy as np
 import torch
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.backends.base import (
-    Backend,
-    BackendCapabilities,
-    LogprobsBlock,
-    StepPlan,
-    StepResult,
-)
+from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.models import SlotModelRunner, cpu_setup, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
 from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.sampler import accept_greedy
+from nxdserve.engine.step import BackendCapabilities, LogprobsBlock, StepPlan, StepResult
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -116,23 +111,21 @@ class TorchBackend(Backend):
             draft_alternatives=True,
             eos_token_ids=_eos_token_ids(model_path),
         )
-        self._batch: PersistentBatch | None = None
         self._warm_up()
 
     @property
     def capabilities(self) -> BackendCapabilities:
         return self._capabilities
 
-    def bind(self, batch: PersistentBatch) -> None:
-        if batch.max_num_seqs > self.runner.num_slots or batch.max_model_len > self.runner.max_len:
+    def check_batch_size(self, max_num_seqs: int, max_model_len: int) -> None:
+        if max_num_seqs > self.runner.num_slots or max_model_len > self.runner.max_len:
             raise ConfigError(
-                f"persistent batch ({batch.max_num_seqs} slots x {batch.max_model_len}) is larger than the "
+                f"persistent batch ({max_num_seqs} slots x {max_model_len}) is larger than the "
                 f"backend's KV cache ({self.runner.num_slots} x {self.runner.max_len})"
             )
-        self._batch = batch
 
     def shutdown(self) -> None:
-        self._batch = None
+        self.batch = None
         self.thread_binding.enabled = False
         self.thread_binding.apply(torch.get_num_threads())
 
@@ -144,10 +137,8 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        batch = self._batch
-        if batch is None:
-            raise RuntimeError("TorchBackend.execute called before bind()")
         t0 = time.perf_counter()
+        batch = self.begin_step(plan)
         rows = _Rows.from_plan(plan)
         if rows.num_rows == 0:
             return StepResult(np.full((0, 1), -1, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -255,21 +246,20 @@ class TorchBackend(Backend):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs or None,
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2},
+            draft_alternatives=alternative_counts,  # (alternatives run, alternatives that won): metrics, logs
         )
-        if alternative_counts is not None:  # (alternatives run, alternatives that won) for metrics and logs
-            result.aux["draft_alternatives"] = alternative_counts
         if self.keep_hidden_states:
             size = hidden.shape[-1]
             padded = hidden.new_zeros(rows.sampled.size, rows.width, size)
             padded[torch.from_numpy(verify_valid).to(self.device)] = sampled_hidden
             states = hidden.new_zeros(rows.num_rows, rows.width, size)
             states[torch.from_numpy(rows.sampled).to(self.device)] = padded
-            result.aux["hidden_states"] = states
+            result.hidden_states = states
             # Every scheduled token's state, rows concatenated (row r at token_offsets[r]:[r + 1]):
             # what an EAGLE drafter needs to extend its own cache over prefill chunks.
-            result.aux["token_hidden_states"] = hidden
-            result.aux["token_offsets"] = rows.offsets
-        return result
+            result.token_hidden_states = hidden
+            result.token_offsets = rows.offsets
+        return self.end_step(plan, result)
 
     def _verify(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nxdserve.engine.backends.base import LogprobsBlock
+from nxdserve.engine.step import LogprobsBlock
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsBlock:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nxdserve.engine.backends.base import LogprobsBlock
 from nxdserve.engine.models.cpu_kernels import argmax
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.logprobs import compute_logprobs
@@ -35,6 +34,7 @@ from nxdserve.engine.sampling.rejection import (
 )
 from nxdserve.engine.sampling.rows import RowParams, SlotTables, to_device
 from nxdserve.engine.sampling.truncation import NEG_INF, Support, restrict_support
+from nxdserve.engine.step import LogprobsBlock
 
 # top-k/top-p candidate sets tried before a full sort (see truncation.py). On one CPU core a 50k-wide
 # sort costs ~3.4 ms per row, a top-64 ~0.09 ms and a top-1024 ~0.6 ms; on accelerators sorting is cheap.

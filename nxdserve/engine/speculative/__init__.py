@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.speculative.base import SpeculativeProposer
 from nxdserve.engine.speculative.config import SpeculativeConfig
 from nxdserve.errors import ConfigError
+
+if TYPE_CHECKING:  # the factory is handed the backend; proposers themselves never see it
+    from nxdserve.engine.backends.base import Backend
 
 logger = logging.getLogger(__name__)
 

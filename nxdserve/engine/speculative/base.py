@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nxdserve.engine.backends.base import StepResult
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request
 from nxdserve.engine.speculative.config import SpeculativeConfig
 from nxdserve.engine.speculative.policy import BatchSizePolicy
 from nxdserve.engine.speculative.stats import SpecStats
+from nxdserve.engine.step import StepResult
 from nxdserve.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from nxdserve.engine.backends.base import StepResult
 from nxdserve.engine.models import LlamaFamilyModel, SlotModelRunner
 from nxdserve.engine.models.cpu_kernels import argmax
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.speculative.base import DraftRows, SpeculativeProposer
 from nxdserve.engine.speculative.config import SpeculativeConfig
+from nxdserve.engine.step import StepResult
 from nxdserve.scheduler.scheduler import SchedulerOutput
 
 

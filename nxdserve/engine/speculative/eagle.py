@@ -1,7 +1,7 @@
 """EAGLE-1 proposer: a one-layer head over the target's own hidden states drafts k tokens greedily.
 
 The head's cache position t holds the pair (token t+1, target feature f_t). The torch backend keeps
-every scheduled token's final hidden state in ``StepResult.aux`` (``keep_hidden_states``), and
+every scheduled token's final hidden state in ``StepResult.token_hidden_states`` (``keep_hidden_states``), and
 ``sync`` extends each slot's head cache over exactly the positions whose target state became final
 this step - a prefill chunk's tokens, or a decode/verification row's input token plus its accepted
 drafts - pairing each with the token that followed it. It runs for every row of every step, whether
@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.backends.base import StepResult
 from nxdserve.engine.models import LlamaFamilyModel, cpu_kernels
 from nxdserve.engine.models.attention import AttentionMetadata
 from nxdserve.engine.models.linear import linear
@@ -48,6 +47,7 @@ from nxdserve.engine.request import Request
 from nxdserve.engine.speculative.base import DraftRows, SpeculativeProposer
 from nxdserve.engine.speculative.config import SpeculativeConfig
 from nxdserve.engine.speculative.eagle_head import EAGLE_CONFIG_KEY, EagleHead
+from nxdserve.engine.step import StepResult
 from nxdserve.errors import ConfigError
 from nxdserve.scheduler.scheduler import SchedulerOutput
 
@@ -156,13 +156,13 @@ class EagleProposer(SpeculativeProposer):
         self._reset_reassigned(sched)
         if plan.num_rows == 0:
             return
-        hidden = result.aux.get("token_hidden_states")
-        if hidden is None:
+        hidden = result.token_hidden_states
+        if hidden is None or result.token_offsets is None:
             if not self._warned_missing:
                 logger.warning("EAGLE: the backend returned no hidden states; drafting is off")
                 self._warned_missing = True
             return
-        offsets = np.asarray(result.aux["token_offsets"], dtype=np.int64)
+        offsets = np.asarray(result.token_offsets, dtype=np.int64)
         lens = np.asarray(plan.num_scheduled, dtype=np.int64)
         drafts = np.asarray(plan.num_drafts, dtype=np.int64)
         sampled = np.asarray(result.num_sampled, dtype=np.int64)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nxdserve.engine.backends.base import StepPlan, StepResult
+from nxdserve.engine.step import StepPlan, StepResult
 
 WARMUP_STEPS = 3  # per arm and bucket before the measured rule takes over
 EXPLORE_EVERY = 16  # then re-measure the losing arm at most on 1 step in this many ...

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from nxdserve.engine.backends.base import StepPlan, StepResult
+from nxdserve.engine.step import StepPlan, StepResult
 
 logger = logging.getLogger("nxdserve.engine.speculative")
 
@@ -28,7 +28,7 @@ class SpecStats:
         self._window_start = time.monotonic()
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
-        alternatives = result.aux.get("draft_alternatives")
+        alternatives = result.draft_alternatives
         if alternatives is not None:
             for w in (self.total, self.window):
                 w.num_alternatives += alternatives[0]

@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.backends.base import Backend, BackendCapabilities, LogprobsBlock, StepPlan, StepResult
+from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.backends.nxd.app import LoadedApp, load_application, nxd_version
 from nxdserve.engine.backends.nxd.inputs import GREEDY_EPS, NxdCall, cte_call, sampling_rows, tkg_call
 from nxdserve.engine.backends.nxd.neuron_config import FUSED_METHODS, NxdSettings
 from nxdserve.engine.backends.nxd.outputs import read_fused, read_logits, read_tokens
-from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.sampler import Sampler
+from nxdserve.engine.step import BackendCapabilities, FusedSpecResult, LogprobsBlock, StepPlan, StepResult
 from nxdserve.errors import ConfigError, InvalidRequestError
 from nxdserve.model_files import load_hf_config
 from nxdserve.sampling_params import SamplingParams
@@ -104,7 +104,6 @@ class NxdBackend(Backend):
         )
         self.sampler = Sampler(self.vocab_size, torch.device("cpu"), seed=config.seed)
         self.kv_len = np.zeros(num_seqs, dtype=np.int64)  # positions with valid KV, per line
-        self.batch: PersistentBatch | None = None
         self._needs_cpu = np.zeros(num_seqs, dtype=bool)
         self._needs_cpu_version = -1
         self._warned_slots: set[int] = set()
@@ -116,10 +115,9 @@ class NxdBackend(Backend):
     def capabilities(self) -> BackendCapabilities:
         return self._caps
 
-    def bind(self, batch: PersistentBatch) -> None:
-        if batch.max_num_seqs > self.kv_len.shape[0]:
-            raise ConfigError(f"{batch.max_num_seqs} slots but NxD was compiled for batch {self.kv_len.shape[0]}")
-        self.batch = batch
+    def check_batch_size(self, max_num_seqs: int, max_model_len: int) -> None:
+        if max_num_seqs > self.kv_len.shape[0]:
+            raise ConfigError(f"{max_num_seqs} slots but NxD was compiled for batch {self.kv_len.shape[0]}")
 
     def validate_request(self, params: SamplingParams) -> None:
         """Admission check: raise InvalidRequestError for what this NxD configuration cannot serve."""
@@ -146,8 +144,9 @@ class NxdBackend(Backend):
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
-        assert self.batch is not None, "bind() first"
         started = time.perf_counter()
+        self.begin_step(plan)
+        assert self.batch is not None
         for slot in (*plan.freed_slots, *plan.new_slots):
             self.kv_len[slot] = 0
         if np.any(plan.num_drafts > 0):
@@ -161,7 +160,7 @@ class NxdBackend(Backend):
         if decode_rows.size:
             self._token_generate(plan, decode_rows, step)
         step.timings["total"] = time.perf_counter() - started
-        return step.result()
+        return self.end_step(plan, step.result())
 
     # -- context encoding --------------------------------------------------------------------------
     def _context_encode(self, plan: StepPlan, row: int, step: _StepOutputs) -> None:
@@ -335,14 +334,14 @@ class _StepOutputs:
         self.logprobs.append((rows, block))
 
     def result(self) -> StepResult:
-        # Fused speculation happens inside NxD, so the plan carries no drafts; its acceptance goes in
-        # aux for metrics: drafts accepted per row (-1 for rows that were not verification rows).
-        aux: dict[str, object] = {}
+        # Fused speculation happens inside NxD, so the plan carries no drafts; its acceptance comes back for
+        # metrics: drafts accepted per row (-1 for rows that were not verification rows).
+        fused = None
         if np.any(self.fused_accepted >= 0):
-            aux = {"fused_accepted_drafts": self.fused_accepted, "fused_num_drafts": self.tokens.shape[1] - 1}
+            fused = FusedSpecResult(accepted_drafts=self.fused_accepted, num_drafts=self.tokens.shape[1] - 1)
         return StepResult(
             sampled_token_ids=self.tokens, num_sampled=self.counts, logprobs=self._logprobs(), timings=self.timings,
-            aux=aux,
+            fused_spec=fused,
         )
 
     def _logprobs(self) -> LogprobsBlock | None:
