@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nxdserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from nxdserve.engine.structured.spec import StructuredOutputsParams
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -41,6 +45,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.DELTA
+    # Constrained decoding (nxdserve.engine.structured): the output follows this schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

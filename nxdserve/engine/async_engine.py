@@ -146,6 +146,8 @@ class AsyncEngine:
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
+        if self.core is not None:
+            self.core.structured.compiler.shutdown()
         if self._executor is not None:
             if self.core is not None:
                 self._executor.submit(self.core.backend.shutdown)
@@ -212,6 +214,13 @@ class AsyncEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- requests ----------------------------------------------------------------------------------
+    async def prepare(self, params: SamplingParams) -> None:
+        """Work a request needs before ``add_request`` that must not run on the event loop: compiling its
+        structured-outputs grammar (cached; a bad spec or a compile past the time limit raises
+        InvalidRequestError naming the parameter)."""
+        if params.structured_outputs is not None:
+            await self._core.structured.compiler.compile_async(params.structured_outputs)
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -246,7 +255,9 @@ class AsyncEngine:
         request_id: str | None = None,
         add_special_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(prompt, params or SamplingParams(), request_id, add_special_tokens)
+        params = params or SamplingParams()
+        await self.prepare(params)
+        stream = self.add_request(prompt, params, request_id, add_special_tokens)
         try:
             async for out in stream:
                 yield out

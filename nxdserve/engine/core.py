@@ -19,6 +19,7 @@ from nxdserve.engine.output_processor import OutputProcessor
 from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
+from nxdserve.engine.structured import GrammarCompiler, StructuredOutputManager
 from nxdserve.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from nxdserve.sampling_params import SamplingParams
 from nxdserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerOutput
@@ -108,6 +109,8 @@ class EngineCore:
         backend.bind(self.batch)
         self.scheduler = Scheduler(config, caps, self.batch)
         self.outputs = OutputProcessor(tokenizer)
+        # Structured outputs (nxdserve.engine.structured): grammars compile on first use, per request.
+        self.structured = StructuredOutputManager(GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids))
         self.metrics = metrics
         self.timings = StepTimings()
         self.prompt_tokens_total = 0
@@ -125,6 +128,8 @@ class EngineCore:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
         params.validate(self.vocab_size, self.config.max_logprobs)
         self.backend.validate_request(params)
+        if params.structured_outputs is not None:  # cached when AsyncEngine.prepare compiled it off the loop
+            self.structured.compiler.compile(params.structured_outputs)
         if not prompt_token_ids:
             raise InvalidRequestError(
                 "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
@@ -164,11 +169,13 @@ class EngineCore:
 
     def add_request(self, request: Request, prompt: str | None = None) -> None:
         self.outputs.add_request(request, prompt)
+        self.structured.add(request)
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Free the requests' slots. Only call between steps (the backend reads the batch arrays)."""
         finished = self.scheduler.finish_requests(request_ids, status)
+        self.structured.remove(request_ids)
         self.num_finished_total += len(finished)
         if finished and self.metrics is not None:  # keep gauges true when the engine goes idle after aborts
             self.metrics.record_step(len(self.scheduler.running), len(self.scheduler.waiting),
@@ -187,6 +194,8 @@ class EngineCore:
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """The model forward and sampling. Runs in the worker thread under AsyncEngine."""
+        if self.structured.active:  # structured outputs: the constrained rows' token mask
+            sched.plan.token_mask = self.structured.fill(sched.plan, sched.requests)
         return self.backend.execute(sched.plan)
 
     def process(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
@@ -197,6 +206,8 @@ class EngineCore:
         counters and metrics. Enough to schedule the next step; ``emit`` makes the outputs."""
         t0 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result)
+        if self.structured.active:  # structured outputs: matchers consume the accepted tokens
+            self.structured.advance(updates)
         num_generated = sum(len(u.new_token_ids) for u in updates)
         self.num_finished_total += sum(1 for u in updates if u.finished)
         self._record_spec(updates, result)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from nxdserve.engine.persistent_batch import PersistentBatch
+from nxdserve.engine.structured.mask import StepTokenMask
 from nxdserve.sampling_params import SamplingParams
 
 
@@ -66,6 +67,9 @@ class StepPlan:
     # Slots freed or taken since the previous plan, for backends that keep per-slot device state.
     freed_slots: list[int] = field(default_factory=list)
     new_slots: list[int] = field(default_factory=list)
+    # Structured outputs: allowed tokens of the constrained rows at each sampled position (set by
+    # EngineCore.execute); the sampler applies it. None: no row is constrained.
+    token_mask: StepTokenMask | None = None
 
     @property
     def num_rows(self) -> int:

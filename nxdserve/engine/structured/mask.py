@@ -1,0 +1,56 @@
+"""Token bitmasks: 32 tokens per int32 word, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed
+(llguidance's and xgrammar's layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(P, W) int32 words -> (P, vocab) bool allowed-token table."""
+    shifts = _SHIFTS.to(bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+@dataclass
+class TokenMask:
+    """Allowed tokens for some rows of a 2-D logits tensor: ``bitmask[k]`` applies to row ``rows[k]``."""
+
+    rows: np.ndarray  # (P,) int64 indices into the logits' rows
+    bitmask: torch.Tensor  # (P, W) int32
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """A private fp32 copy of 2-D ``logits`` with every disallowed token at -inf (one vectorised write for all
+        constrained rows). The caller's tensor is untouched: logprobs stay those of the model."""
+        out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        device = out.device
+        rows = torch.from_numpy(self.rows).to(device)
+        allowed = unpack_bitmask(self.bitmask.to(device, non_blocking=True), out.shape[1])
+        sub = out.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+        out.index_copy_(0, rows, sub)
+        return out
+
+
+@dataclass
+class StepTokenMask:
+    """A step's constrained positions, in plan terms: bitmask row k is for plan row ``rows[k]`` at verification
+    position ``positions[k]`` (0: the row's first sampled position; j: after its first j drafts)."""
+
+    rows: np.ndarray  # (P,) int64 plan rows, ascending, each row's positions consecutive
+    positions: np.ndarray  # (P,) int64
+    bitmask: torch.Tensor  # (P, W) int32
+
+    def for_logits(self, sampled_rows: np.ndarray, width: int) -> TokenMask:
+        """The mask over a backend's logits of its sampled rows (plan rows ``sampled_rows``, ascending), laid out
+        (len(sampled_rows) * width) rows deep: logits row ``i * width + j`` is sampled row i at position j."""
+        index = np.searchsorted(sampled_rows, self.rows)
+        if not (index < sampled_rows.size).all() or not (sampled_rows[np.minimum(index, sampled_rows.size - 1)]
+                                                        == self.rows).all():
+            raise ValueError("a constrained row does not sample in this step")
+        return TokenMask(rows=index * width + self.positions, bitmask=self.bitmask)
