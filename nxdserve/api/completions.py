@@ -42,6 +42,7 @@ async def create_completion(request: Request) -> Response:
     prompts = normalize_prompts(req.prompt, engine.vocab_size)
     check_fan_out(len(prompts), req.n)
     params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
+    await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
     children = fan_out(params)
     response_id = f"cmpl-{base_request_id(request)}"
     ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children)))

@@ -15,6 +15,7 @@ from nxdserve.api.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
+from nxdserve.api.structured import structured_outputs_of
 from nxdserve.sampling_params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -39,12 +40,6 @@ def check_common(req: SamplingRequest) -> None:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.use_beam_search:
         raise APIError("Beam search is not supported.", param="use_beam_search")
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise APIError(
-            f"response_format type {fmt.type!r} is not supported yet; only 'text' is.",
-            param="response_format",
-        )
     if req.n < 1:
         raise APIError(f"n must be at least 1, got {req.n}.", param="n")
 
@@ -162,6 +157,7 @@ def build_sampling_params(
         logit_bias=_logit_bias(req.logit_bias),
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        structured_outputs=structured_outputs_of(req),
     )
     params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     return params
