@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nxdserve.config import EngineConfig
 from nxdserve.errors import ConfigError
+from nxdserve.tools.flags import add_chat_arguments, chat_config_kwargs
 
 if TYPE_CHECKING:  # the server stack is imported only when serving, so `nxdserve bench` starts fast
     from nxdserve.api.server import ServeOptions
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-waiting", type=int, default=None, help="queue bound; beyond it requests get 503")
 
+    add_chat_arguments(p)  # issue 27: chat template, tool calling, reasoning, structured outputs
+
     h = p.add_argument_group("server")
     h.add_argument("--host", default="0.0.0.0", help="address to bind (vLLM's default: all interfaces)")
     h.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -199,6 +202,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         override_neuron_config=args.override_neuron_config,
         num_threads=args.num_threads,
+        **chat_config_kwargs(args),  # issue 27
     )
 
 

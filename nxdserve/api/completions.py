@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from nxdserve.api.chat_output import apply_structured_defaults
 from nxdserve.api.errors import sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import completion_logprobs
@@ -42,6 +43,7 @@ async def create_completion(request: Request) -> Response:
     prompts = normalize_prompts(req.prompt, engine.vocab_size)
     check_fan_out(len(prompts), req.n)
     params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
+    apply_structured_defaults(params, engine.config)
     await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
     children = fan_out(params)
     response_id = f"cmpl-{base_request_id(request)}"

@@ -69,9 +69,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise APIError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     if req.chat_template is not None:
         raise APIError("A per-request chat_template is not supported.", param="chat_template")
-    choice = req.tool_choice
-    if choice is not None and choice != "none" and not (choice == "auto" and not req.tools):
-        raise APIError("Tool calling (tool_choice) is not supported yet.", param="tool_choice")
 
 
 def normalize_prompts(prompt: CompletionPrompt | None, vocab_size: int) -> list[PromptInput]:

@@ -103,6 +103,7 @@ class AsyncEngine:
         self._last_log = time.monotonic()
         self._last_log_tokens = (0, 0)
         self._forward_started: asyncio.Future[None] | None = None
+        self.chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -116,6 +117,9 @@ class AsyncEngine:
         self.model_path = str(files.path)
         self.tokenizer = files.tokenizer
         self.generation_defaults = files.generation_defaults
+        from nxdserve.tools.flags import read_chat_template
+
+        self.chat_template = read_chat_template(self.config.chat_template)
         self._accepting = True
         self.core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
         self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
@@ -204,6 +208,7 @@ class AsyncEngine:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
+                **({"chat_template": self.chat_template} if self.chat_template is not None else {}),
                 **(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors, bad roles: the caller's input

@@ -83,6 +83,9 @@ CHAT_400 = [
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
     ({"max_completion_tokens": MAX_MODEL_LEN}, "This model's maximum context length is"),
     ({"stream_options": {"include_usage": True}}, "Stream options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+     "--enable-auto-tool-choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
 ]
 
 
