@@ -14,7 +14,7 @@ from starlette.responses import Response
 from nxdserve.api.chat_output import ChatOutputPlan
 from nxdserve.api.errors import APIError, sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
-from nxdserve.api.logprobs import chat_logprobs
+from nxdserve.api.logprobs import TokenIdNames, chat_logprobs
 from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out, fan_out
 from nxdserve.api.protocol import ChatCompletionRequest, ChatMessage
 from nxdserve.api.responses import (
@@ -135,7 +135,8 @@ class _ChatView:
     def _logprobs(self, token_ids: list[int], steps: Sequence[dict[int, Logprob]]) -> ChatLogProbs | None:
         if not self.req.logprobs:
             return None
-        return chat_logprobs(token_ids, steps, self.req.top_logprobs or 0, self.state.tokenizer)
+        names = TokenIdNames() if self.req.return_tokens_as_token_ids else self.state.tokenizer
+        return chat_logprobs(token_ids, steps, self.req.top_logprobs or 0, names)
 
     def response(self, states: Sequence[ChoiceState]) -> ChatCompletionResponse:
         choices = []

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from nxdserve.api.chat_output import apply_structured_defaults
 from nxdserve.api.errors import sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
-from nxdserve.api.logprobs import completion_logprobs
+from nxdserve.api.logprobs import TokenIdNames, completion_logprobs
 from nxdserve.api.params import (
     build_sampling_params,
     check_completion,
@@ -88,7 +88,8 @@ class _CompletionView:
     ) -> CompletionLogProbs | None:
         if self.req.logprobs is None:
             return None
-        return completion_logprobs(token_ids, steps, self.req.logprobs, self.state.tokenizer, offset)
+        names = TokenIdNames() if self.req.return_tokens_as_token_ids else self.state.tokenizer
+        return completion_logprobs(token_ids, steps, self.req.logprobs, names, offset)
 
     def _usage(self, states: Sequence[ChoiceState]) -> UsageInfo:
         # Each prompt counts once however many choices it has (n children share it).

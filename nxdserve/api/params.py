@@ -16,7 +16,7 @@ from nxdserve.api.protocol import (
     SamplingRequest,
 )
 from nxdserve.api.structured import structured_outputs_of
-from nxdserve.sampling_params import SamplingParams
+from nxdserve.sampling_params import OutputKind, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 # Each choice is one engine request; bound the fan-out so one request cannot flood the queue.
@@ -34,8 +34,22 @@ _VLLM_DEFAULTS: dict[str, float | int] = {
 PromptInput = str | list[int]
 
 
+# vLLM request fields nxdserve does not implement: a request that sets one gets a 400 naming it, never a silent
+# no-op (fields OpenAI's SDK sends by default are not here).
+UNSUPPORTED_FIELDS = ("logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "documents",
+                      "length_penalty", "prompt_embeds", "prediction", "audio", "functions", "function_call",
+                      "reasoning_effort", "web_search_options", "cache_salt", "media_io_kwargs")
+
+
 def check_common(req: SamplingRequest) -> None:
     """vLLM's request-level checks shared by both generation endpoints."""
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED_FIELDS:
+        if extra.get(name) not in (None, [], {}, ""):
+            raise APIError(f"{name} is not supported by this server.", param=name)
+    if req.priority != 0:
+        raise APIError("priority needs --scheduling-policy priority, which this server does not offer yet; "
+                       "leave priority at 0.", param="priority")
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.use_beam_search:
@@ -155,6 +169,10 @@ def build_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         structured_outputs=structured_outputs_of(req),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        output_kind=OutputKind.DELTA,  # the API layer gathers and streams deltas
     )
     params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     return params

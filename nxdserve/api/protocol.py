@@ -77,6 +77,12 @@ class SamplingRequest(OpenAIModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # vLLM's other sampling extras (issue 27 item 5: each works or is a 400 naming it)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    priority: int = 0
 
 
 class CompletionRequest(SamplingRequest):

@@ -130,6 +130,9 @@ class EngineCore:
         self.backend.validate_request(params)
         if params.structured_outputs is not None:  # cached when AsyncEngine.prepare compiled it off the loop
             self.structured.compiler.compile(params.structured_outputs)
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens; -1: max_model_len
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = prompt_token_ids[len(prompt_token_ids) - keep:] if keep else []
         if not prompt_token_ids:
             raise InvalidRequestError(
                 "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"

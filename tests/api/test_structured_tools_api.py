@@ -195,3 +195,18 @@ async def test_tool_choice_errors(http: httpx.AsyncClient) -> None:
         assert r.json()["error"]["param"] == param
     r = await http.post("/v1/chat/completions", json={**body, "tool_choice": "required", "stream": True})
     assert sse_events(r.text)[-1] == "[DONE]"
+
+
+async def test_sampling_extras_over_http(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True}
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in r.json()["choices"][0]["logprobs"]["tokens"])
+    for extra, param in (({"priority": 3}, "priority"), ({"logits_processors": ["x"]}, "logits_processors"),
+                         ({"truncate_prompt_tokens": -5}, "truncate_prompt_tokens")):
+        r = await http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400, r.text
+        assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+    r = await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4,
+                                                     "allowed_token_ids": [28, 29], "bad_words": ["x"]})
+    assert r.status_code == 200

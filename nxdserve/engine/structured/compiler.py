@@ -113,6 +113,20 @@ class GrammarCompiler:
         """A fresh matcher for one request."""
         return self.compile(spec).deep_copy()
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of ``bad_words``: each word as is and, where that gives a different first token of
+        the same length, with a leading space."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = list(self._hf_tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                continue
+            out.append(plain)
+            spaced = list(self._hf_tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
+
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

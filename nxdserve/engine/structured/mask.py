@@ -46,6 +46,12 @@ class StepTokenMask:
     positions: np.ndarray  # (P,) int64
     bitmask: torch.Tensor  # (P, W) int32
 
+    def restrict(self, rows: np.ndarray) -> StepTokenMask:
+        """The entries of plan rows ``rows`` only (a backend that samples some rows in one place, some in another)."""
+        keep = np.isin(self.rows, rows)
+        index = torch.from_numpy(np.flatnonzero(keep))
+        return StepTokenMask(rows=self.rows[keep], positions=self.positions[keep], bitmask=self.bitmask[index])
+
     def for_logits(self, sampled_rows: np.ndarray, width: int) -> TokenMask:
         """The mask over a backend's logits of its sampled rows (plan rows ``sampled_rows``, ascending), laid out
         (len(sampled_rows) * width) rows deep: logits row ``i * width + j`` is sampled row i at position j."""
