@@ -1,4 +1,4 @@
-"""Structured outputs, measured: the grammar library's choice (``--part lib``) and the engine's cost (``--part engine``).
+"""Structured outputs, measured: the grammar library (``--part lib``) and the engine's cost (``--part engine``).
 
 ``lib``: xgrammar vs llguidance on our vocabularies.
 

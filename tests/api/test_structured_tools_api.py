@@ -35,10 +35,20 @@ HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(
                r"\n</tool_call>")
 
 
+# A hermes-style template (SmolLM2's own prints neither tools nor tool calls), given inline as --chat-template.
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function.name') | join(', ') }}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+    "assistant\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def tools_server() -> Iterator[BackgroundServer]:
     server = start_server(api_key=API_KEY, enable_auto_tool_choice=True, tool_call_parser="hermes",
-                          structured_outputs_config={"disable_any_whitespace": True})
+                          structured_outputs_config={"disable_any_whitespace": True}, chat_template=TEMPLATE)
     yield server
     server.stop()
 
@@ -181,6 +191,11 @@ async def test_tool_results_go_through_the_template(client: AsyncOpenAI, http: h
     tok = await http.post("/tokenize", json={"messages": messages, "tools": [WEATHER_TOOL]})
     assert tok.status_code == 200
     assert r.usage is not None and r.usage.prompt_tokens == tok.json()["count"]
+    rendered = (await http.post("/detokenize", json={"tokens": tok.json()["tokens"]})).json()["prompt"]
+    # The call's arguments reach the template as a dict (tojson prints them), the tool result as a tool turn.
+    assert "Tools: get_weather" in rendered
+    assert '"arguments": {"city": "Paris", "days": 3}' in rendered and '"name": "get_weather"' in rendered
+    assert "<|im_start|>tool\nSunny, 21 C<|im_end|>" in rendered
 
 
 async def test_tool_choice_errors(http: httpx.AsyncClient) -> None:
