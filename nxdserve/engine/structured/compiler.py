@@ -46,7 +46,8 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.timeout_s = timeout_s
         self._lltokenizer: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (held briefly: the event loop takes it)
+        self._tokenizer_lock = threading.Lock()  # building the tokenizer (seconds: never on the event loop)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._executor: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # cache misses, for tests and metrics
@@ -54,7 +55,7 @@ class GrammarCompiler:
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
         """Built on first use (~2 s for a 49k vocabulary): off the event loop, in whichever thread compiles."""
-        with self._lock:
+        with self._tokenizer_lock:
             if self._lltokenizer is None:
                 import llguidance.hf
 
