@@ -98,3 +98,18 @@ def test_compiled_grammars_are_cached_by_normalised_spec() -> None:
     compiler.compile(a)
     compiler.compile(b)
     assert compiler.num_compiled == before + 1
+
+
+def test_structural_tag_constrains_only_inside_its_tags() -> None:
+    core = shared_core()
+    spec = StructuredOutputsParams(structural_tag={
+        "type": "structural_tag", "triggers": ["<f="],
+        "structures": [{"begin": "<f=w>", "end": "</f>", "schema": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}]})
+
+    def accepts(text: str) -> bool:
+        matcher = core.structured.compiler.new_matcher(spec)
+        return all(matcher.consume_token(t) for t in core.tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('free text <f=w>{"a": 5}</f> more text')
+    assert not accepts('free text <f=w>{"a": "five"}')

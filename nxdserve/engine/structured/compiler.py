@@ -170,7 +170,7 @@ def _structural_tag_grammar(raw: str | dict[str, Any] | None) -> str:
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
             raise ValueError(f"no trigger is a prefix of begin {begin!r}")
-        schema = json.dumps(s.get("schema") or {"type": "object"})
-        tags.append(llguidance.StructTag(trigger, begin, llguidance.LLMatcher.grammar_from_json_schema(schema),
-                                         s["end"]))
-    return str(llguidance.StructTag.to_grammar(tags))
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=s.get("schema") or {"type": "object"},
+                                         end=s["end"]))
+    # Triggers are text here (e.g. "<function="), not special tokens of the vocabulary.
+    return str(llguidance.StructTag.to_grammar(tags, assume_special=False))
