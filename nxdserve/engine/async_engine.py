@@ -152,6 +152,7 @@ class AsyncEngine:
                 await self._loop_task
         if self.core is not None:
             self.core.structured.compiler.shutdown()
+            self.core.structured.shutdown()
         if self._executor is not None:
             if self.core is not None:
                 self._executor.submit(self.core.backend.shutdown)

@@ -3,10 +3,11 @@
 A row is constrained by a grammar (structured outputs), by ``allowed_token_ids`` or by ``bad_words`` (vLLM's
 sampling parameters of those names), in any combination: the masks are ANDed.
 
-``fill`` runs in the engine's worker thread before the forward (``EngineCore.execute``); ``add``, ``advance`` and
-``remove`` run between steps. A row with drafts gets one mask per verification position: llguidance advances the
-matcher through the drafts and rolls it back, so a draft the grammar forbids cannot win verification and the
-matcher's state is untouched until ``advance`` consumes the tokens actually accepted.
+``fill`` runs in the engine's worker thread before the forward (``EngineCore.execute``) and hands the bitmask's
+computation to the manager's own thread, so that it overlaps the forward (the sampler waits for it); ``add``,
+``advance`` and ``remove`` run between steps. A row with drafts gets one mask per verification position:
+llguidance advances the matcher through the drafts and rolls it back, so a draft the grammar forbids cannot win
+verification and the matcher's state is untouched until ``advance`` consumes the tokens actually accepted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,10 @@ class StructuredOutputManager:
         self.compiler = compiler
         self._rows: dict[str, _RowState] = {}
         self._executor: llguidance.LLExecutor | None = None
+        # One thread: a step's fill ends before the next one's starts (the sampler waits for it), so a matcher is
+        # never filled twice at once.
+        self._filler: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None  # the last step's fill
         self._num_threads = num_threads
         self.mask_seconds = 0.0  # summed fill time, for the benchmark
         self.mask_steps = 0
@@ -101,8 +107,21 @@ class StructuredOutputManager:
             num_positions += 1 + len(drafts)
         if not entries:
             return None
-        t0 = time.perf_counter()
         bitmask = lltorch.allocate_token_bitmask(num_positions, self.compiler.vocab_size)
+        rows = np.concatenate([np.full(1 + len(d), r, dtype=np.int64) for r, _, d, _ in entries])
+        positions = np.concatenate([np.arange(1 + len(d), dtype=np.int64) for _, _, d, _ in entries])
+        if plan.draft_alternatives is not None:
+            plan.draft_alternatives[[r for r, _, _, _ in entries]] = -1
+        outputs = [list(requests[row].output_token_ids) if state.bad_words else [] for row, _, _, state in entries]
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxdserve-mask")
+        ready = self._filler.submit(self._fill, bitmask, entries, outputs)
+        self._pending = ready
+        return StepTokenMask(rows=rows, positions=positions, filled=bitmask, ready=ready)
+
+    def _fill(self, bitmask: torch.Tensor, entries: list[tuple[int, int, list[int], _RowState]],
+              outputs: list[list[int]]) -> None:
+        t0 = time.perf_counter()
         grammar = [(s.matcher, first, drafts) for _, first, drafts, s in entries if s.matcher is not None and s.started]
         if grammar:
             if self._executor is None:
@@ -113,21 +132,24 @@ class StructuredOutputManager:
                 lltorch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
             if drafting:
                 lltorch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, bitmask)
-        for row, first, drafts, state in entries:
+        for (_, first, drafts, state), output in zip(entries, outputs, strict=True):
             if state.allowed is not None:
                 bitmask[first: first + 1 + len(drafts)] &= state.allowed
             if state.bad_words:
-                _ban_bad_words(bitmask, first, requests[row].output_token_ids, drafts, state.bad_words)
-        rows = np.concatenate([np.full(1 + len(d), r, dtype=np.int64) for r, _, d, _ in entries])
-        positions = np.concatenate([np.arange(1 + len(d), dtype=np.int64) for _, _, d, _ in entries])
-        if plan.draft_alternatives is not None:
-            plan.draft_alternatives[[r for r, _, _, _ in entries]] = -1
+                _ban_bad_words(bitmask, first, output, drafts, state.bad_words)
         self.mask_seconds += time.perf_counter() - t0
         self.mask_steps += 1
-        return StepTokenMask(rows=rows, positions=positions, bitmask=bitmask)
+
+    def shutdown(self) -> None:
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None
 
     def advance(self, updates: Sequence[Any]) -> None:
         """Consume each constrained request's accepted tokens (``RequestUpdate``s of a step)."""
+        if self._pending is not None:  # a backend that never read the mask: its fill must not race the matchers
+            wait([self._pending])
+            self._pending = None
         for update in updates:
             request_id = update.request.request_id
             state = self._rows.get(request_id)

@@ -3,19 +3,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# byte -> its 8 bits, lowest first: unpacking is one gather over the mask's bytes (~3x fewer operations than
+# shifting each int32 word 32 times).
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+assert sys.byteorder == "little", "bitmask words are read as little-endian bytes"
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """(P, W) int32 words -> (P, vocab) bool allowed-token table."""
-    shifts = _SHIFTS.to(bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    table = _BYTE_BITS.to(bitmask.device)
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()  # (P, 4W), little-endian: byte k = bits 8k..8k+7
+    return table[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab]
 
 
 @dataclass
@@ -40,17 +45,26 @@ class TokenMask:
 @dataclass
 class StepTokenMask:
     """A step's constrained positions, in plan terms: bitmask row k is for plan row ``rows[k]`` at verification
-    position ``positions[k]`` (0: the row's first sampled position; j: after its first j drafts)."""
+    position ``positions[k]`` (0: the row's first sampled position; j: after its first j drafts).
+
+    The bitmask may still be being filled (``ready``) while the model's forward runs: reading ``bitmask`` waits."""
 
     rows: np.ndarray  # (P,) int64 plan rows, ascending, each row's positions consecutive
     positions: np.ndarray  # (P,) int64
-    bitmask: torch.Tensor  # (P, W) int32
+    filled: torch.Tensor  # (P, W) int32
+    ready: Future[None] | None = field(default=None, repr=False)
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.result()  # re-raises a failed fill
+        return self.filled
 
     def restrict(self, rows: np.ndarray) -> StepTokenMask:
         """The entries of plan rows ``rows`` only (a backend that samples some rows in one place, some in another)."""
         keep = np.isin(self.rows, rows)
         index = torch.from_numpy(np.flatnonzero(keep))
-        return StepTokenMask(rows=self.rows[keep], positions=self.positions[keep], bitmask=self.bitmask[index])
+        return StepTokenMask(rows=self.rows[keep], positions=self.positions[keep], filled=self.bitmask[index])
 
     def for_logits(self, sampled_rows: np.ndarray, width: int) -> TokenMask:
         """The mask over a backend's logits of its sampled rows (plan rows ``sampled_rows``, ascending), laid out
