@@ -26,6 +26,7 @@ from nxdserve.cli_args.config_file import expand_config_file
 from nxdserve.config import EngineConfig
 from nxdserve.cpu_options import add_cpu_arguments, cpu_options_from_args, set_openmp_wait_policy
 from nxdserve.errors import ConfigError
+from nxdserve.tools.flags import add_chat_arguments, chat_config_kwargs
 
 if TYPE_CHECKING:  # the server stack is imported only when serving, so `nxdserve bench` starts fast
     from nxdserve.api.server import ServeOptions
@@ -76,6 +77,7 @@ def build_parser() -> ServeParser:
     )
     add_serve_flags(p)
     add_cpu_arguments(p)
+    add_chat_arguments(p)  # issue 27: chat template, tool calling, reasoning, structured outputs
     return p
 
 
@@ -114,6 +116,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         disable_log_stats=args.disable_log_stats,
         cpu=cpu_options_from_args(args),
+        **chat_config_kwargs(args),  # issue 27
     )
 
 

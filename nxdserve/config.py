@@ -71,6 +71,17 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     disable_log_stats: bool = False
     cpu: CpuOptions = field(default_factory=CpuOptions)  # the torch backend's CPU switches (--cpu-* flags)
+    # -- chat templates, tool calling, reasoning, structured outputs (issue 27; flags: nxdserve/tools/flags.py) --
+    chat_template: str | None = None  # a file path or inline Jinja; None: the tokenizer's own
+    chat_template_content_format: str = "auto"  # auto | string | openai
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | pythonic | a plugin's
+    tool_parser_plugin: str | None = None  # a Python file that registers parsers (register_tool_parser)
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3
+    # vLLM's --structured-outputs-config: backend (auto | guidance), disable_any_whitespace,
+    # disable_additional_properties, enable_in_reasoning
+    structured_outputs_config: dict[str, Any] | None = None
+    # -- end of issue 27's block --
 
     def resolve(
         self,

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nxdserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from nxdserve.engine.structured.spec import StructuredOutputsParams
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -40,7 +44,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    output_kind: OutputKind = OutputKind.DELTA
+    # vLLM's default: each output holds the whole text so far (``final.outputs[0].text`` is all of it); the API
+    # layer streams deltas.
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    # Constrained decoding (nxdserve.engine.structured): the output follows this schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words that must not be generated
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,7 +113,15 @@ class SamplingParams:
         for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if value is not None and not 0 <= value <= max_logprobs:
                 raise bad(name, f"{name} must be in [0, {max_logprobs}], got {value}.")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids", "allowed_token_ids must not be empty.")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            raise bad("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or at least 0, got "
+                      f"{self.truncate_prompt_tokens}.")
         if vocab_size is not None:
+            for tid in self.allowed_token_ids or []:
+                if not 0 <= tid < vocab_size:
+                    raise bad("allowed_token_ids", f"allowed token id {tid} is out of vocabulary (size {vocab_size}).")
             for tid in self.stop_token_ids:
                 if not 0 <= tid < vocab_size:
                     raise bad("stop_token_ids", f"stop token id {tid} is out of vocabulary (size {vocab_size}).")

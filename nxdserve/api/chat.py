@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -10,9 +11,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from nxdserve.api.chat_output import ChatOutputPlan
 from nxdserve.api.errors import APIError, sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
-from nxdserve.api.logprobs import chat_logprobs
+from nxdserve.api.logprobs import TokenIdNames, chat_logprobs
 from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out, fan_out
 from nxdserve.api.protocol import ChatCompletionRequest, ChatMessage
 from nxdserve.api.responses import (
@@ -36,14 +38,19 @@ logger = logging.getLogger(__name__)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def message_dicts(messages: Sequence[ChatMessage], content_format: str = "string") -> list[dict[str, Any]]:
     """Messages as the chat template sees them: text parts joined into one string (vLLM's "string"
-    content format, which every text-only template understands)."""
+    content format, which every text-only template understands; "auto" is that too), or kept as a list of
+    {"type": "text", "text"} parts for templates that iterate them ("openai")."""
     out = []
     for msg in messages:
         if msg.role not in CHAT_ROLES:
             raise APIError(f"Unsupported message role {msg.role!r}.", param="messages")
         entry = msg.model_dump(exclude_none=True)
+        if msg.tool_calls is not None:
+            entry["tool_calls"] = _template_tool_calls(msg.tool_calls)
+            if not entry["tool_calls"]:
+                del entry["tool_calls"]
         content = msg.content
         if isinstance(content, list):
             texts = []
@@ -54,10 +61,29 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                         param="messages",
                     )
                 texts.append(part.text)
-            entry["content"] = "\n".join(texts)
+            entry["content"] = ([{"type": "text", "text": t} for t in texts] if content_format == "openai"
+                                else "\n".join(texts))
         elif content is None:
             entry["content"] = ""  # templates print None literally
         out.append(entry)
+    return out
+
+
+def _template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as templates expect them: each ``function.arguments`` JSON string parsed
+    into a dict (vLLM's rule; templates iterate it or apply ``tojson``), empty arguments as {}."""
+    out = []
+    for call in calls:
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError("An assistant tool call needs function.name.", param="messages")
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise APIError(f"Tool call arguments are not valid JSON: {exc}", param="messages") from exc
+        out.append({**call, "function": {**fn, "arguments": arguments if arguments is not None else {}}})
     return out
 
 
@@ -65,7 +91,7 @@ def render_prompt(engine: Any, req: ChatCompletionRequest | Any) -> str:
     """The rendered chat template; template errors (e.g. roles that must alternate) are 400s."""
     try:
         return engine.apply_chat_template(  # type: ignore[no-any-return]
-            message_dicts(req.messages),
+            message_dicts(req.messages, getattr(engine.config, "chat_template_content_format", "string")),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs,
@@ -84,14 +110,18 @@ async def create_chat_completion(request: Request) -> Response:
     check_chat(req)
     check_fan_out(1, req.n)
     engine = state.engine
+    plan = ChatOutputPlan.build(req, engine.config)
     prompt = render_prompt(engine, req)
     params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
+    plan.constrain(params, prompt, engine.tokenizer, engine.config)
+    await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
     children = fan_out(params)
     response_id = f"chatcmpl-{base_request_id(request)}"
     ids = engine_request_ids(request, response_id, len(children))
     calls = [EngineCall(prompt, child, rid, req.add_special_tokens) for child, rid in zip(children, ids, strict=True)]
     state.log_request(response_id, [prompt], params)
-    return await respond(request, engine, calls, _ChatView(state, req, model, response_id), bool(req.stream))
+    view = _ChatView(state, req, model, response_id, plan)
+    return await respond(request, engine, calls, view, bool(req.stream))
 
 
 @dataclass
@@ -100,23 +130,26 @@ class _ChatView:
     req: ChatCompletionRequest
     model: str
     response_id: str
+    plan: ChatOutputPlan
 
     def _logprobs(self, token_ids: list[int], steps: Sequence[dict[int, Logprob]]) -> ChatLogProbs | None:
         if not self.req.logprobs:
             return None
-        return chat_logprobs(token_ids, steps, self.req.top_logprobs or 0, self.state.tokenizer)
+        names = TokenIdNames() if self.req.return_tokens_as_token_ids else self.state.tokenizer
+        return chat_logprobs(token_ids, steps, self.req.top_logprobs or 0, names)
 
     def response(self, states: Sequence[ChoiceState]) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
+        choices = []
+        for st in states:
+            content, reasoning, tool_calls = self.plan.message(st.text)
+            choices.append(ChatChoice(
                 index=st.index,
-                message=ChatMessageOut(role="assistant", content=st.text),
+                message=ChatMessageOut(role="assistant", content=content, reasoning_content=reasoning,
+                                       tool_calls=tool_calls),
                 logprobs=self._logprobs(st.token_ids, st.logprobs),
-                finish_reason=st.finish_reason,
+                finish_reason=self.plan.finish_reason(st.finish_reason, bool(tool_calls)),
                 stop_reason=st.stop_reason,
-            )
-            for st in states
-        ]
+            ))
         prompt_tokens = len(states[0].prompt_token_ids)
         completion_tokens = sum(st.num_tokens for st in states)
         usage = UsageInfo(
@@ -139,6 +172,8 @@ class _ChatView:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         role_sent = False
+        plain = self.plan.mode == "none" and self.plan.reasoning is None
+        streamers = [self.plan.streamer() for _ in streams]
         outputs = merge(streams)
         try:
             async for i, out in outputs:
@@ -160,14 +195,24 @@ class _ChatView:
                 if not text and not token_ids and st.finish_reason is None:
                     continue
                 logprobs = self._logprobs(token_ids, steps)
-                if logprobs is None and not continuous:  # a token's chunk: from the template
+                if plain and logprobs is None and not continuous:  # a token's chunk: from the template
                     yield fast.frame(i, text, st.finish_reason, st.stop_reason)
                     continue
+                finish_reason = st.finish_reason
+                if plain:
+                    delta = DeltaMessage(content=text)
+                else:
+                    streamer = streamers[i]
+                    reasoning, content, tool_deltas = streamer.feed(text, final=st.finish_reason is not None)
+                    finish_reason = self.plan.finish_reason(st.finish_reason, streamer.called)
+                    if not (reasoning or content or tool_deltas or finish_reason or logprobs):
+                        continue
+                    delta = _delta(reasoning, content, tool_deltas)
                 choice = ChatStreamChoice(
                     index=i,
-                    delta=DeltaMessage(content=text),
+                    delta=delta,
                     logprobs=logprobs,
-                    finish_reason=st.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=st.stop_reason,
                 )
                 chunk = self._chunk(created, [choice])
@@ -192,3 +237,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
+
+
+def _delta(reasoning: str, content: str, tool_calls: list[dict[str, Any]]) -> DeltaMessage:
+    """Only the fields that carry news (exclude_unset drops the others from the frame)."""
+    fields: dict[str, Any] = {}
+    if reasoning:
+        fields["reasoning_content"] = reasoning
+    if content or not (reasoning or tool_calls):
+        fields["content"] = content
+    if tool_calls:
+        fields["tool_calls"] = tool_calls
+    return DeltaMessage(**fields)

@@ -9,9 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from nxdserve.api.chat_output import apply_structured_defaults
 from nxdserve.api.errors import sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
-from nxdserve.api.logprobs import completion_logprobs
+from nxdserve.api.logprobs import TokenIdNames, completion_logprobs
 from nxdserve.api.params import (
     build_sampling_params,
     check_completion,
@@ -42,6 +43,8 @@ async def create_completion(request: Request) -> Response:
     prompts = normalize_prompts(req.prompt, engine.vocab_size)
     check_fan_out(len(prompts), req.n)
     params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
+    apply_structured_defaults(params, engine.config)
+    await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
     children = fan_out(params)
     response_id = f"cmpl-{base_request_id(request)}"
     ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children)))
@@ -85,7 +88,8 @@ class _CompletionView:
     ) -> CompletionLogProbs | None:
         if self.req.logprobs is None:
             return None
-        return completion_logprobs(token_ids, steps, self.req.logprobs, self.state.tokenizer, offset)
+        names = TokenIdNames() if self.req.return_tokens_as_token_ids else self.state.tokenizer
+        return completion_logprobs(token_ids, steps, self.req.logprobs, names, offset)
 
     def _usage(self, states: Sequence[ChoiceState]) -> UsageInfo:
         # Each prompt counts once however many choices it has (n children share it).

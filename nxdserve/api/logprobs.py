@@ -19,7 +19,14 @@ def _value(lp: Logprob) -> float:
     return _MIN_LOGPROB if math.isnan(value) else max(value, _MIN_LOGPROB)
 
 
+class TokenIdNames:
+    """``return_tokens_as_token_ids``: logprobs name each token ``token_id:{id}`` (vLLM's form), for clients that
+    need tokens that are not valid UTF-8 on their own. Passed where the tokenizer would be."""
+
+
 def token_text(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+    if isinstance(tokenizer, TokenIdNames):
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([token_id])

@@ -15,7 +15,8 @@ from nxdserve.api.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
-from nxdserve.sampling_params import SamplingParams
+from nxdserve.api.structured import structured_outputs_of
+from nxdserve.sampling_params import OutputKind, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 # Each choice is one engine request; bound the fan-out so one request cannot flood the queue.
@@ -33,18 +34,26 @@ _VLLM_DEFAULTS: dict[str, float | int] = {
 PromptInput = str | list[int]
 
 
+# vLLM request fields nxdserve does not implement: a request that sets one gets a 400 naming it, never a silent
+# no-op (fields OpenAI's SDK sends by default are not here).
+UNSUPPORTED_FIELDS = ("logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "documents",
+                      "length_penalty", "prompt_embeds", "prediction", "audio", "functions", "function_call",
+                      "reasoning_effort", "web_search_options", "cache_salt", "media_io_kwargs")
+
+
 def check_common(req: SamplingRequest) -> None:
     """vLLM's request-level checks shared by both generation endpoints."""
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED_FIELDS:
+        if extra.get(name) not in (None, [], {}, ""):
+            raise APIError(f"{name} is not supported by this server.", param=name)
+    if req.priority != 0:
+        raise APIError("priority needs --scheduling-policy priority, which this server does not offer yet; "
+                       "leave priority at 0.", param="priority")
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.use_beam_search:
         raise APIError("Beam search is not supported.", param="use_beam_search")
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise APIError(
-            f"response_format type {fmt.type!r} is not supported yet; only 'text' is.",
-            param="response_format",
-        )
     if req.n < 1:
         raise APIError(f"n must be at least 1, got {req.n}.", param="n")
 
@@ -74,9 +83,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise APIError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     if req.chat_template is not None:
         raise APIError("A per-request chat_template is not supported.", param="chat_template")
-    choice = req.tool_choice
-    if choice is not None and choice != "none" and not (choice == "auto" and not req.tools):
-        raise APIError("Tool calling (tool_choice) is not supported yet.", param="tool_choice")
 
 
 def normalize_prompts(prompt: CompletionPrompt | None, vocab_size: int) -> list[PromptInput]:
@@ -162,6 +168,11 @@ def build_sampling_params(
         logit_bias=_logit_bias(req.logit_bias),
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        structured_outputs=structured_outputs_of(req),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        output_kind=OutputKind.DELTA,  # the API layer gathers and streams deltas
     )
     params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     return params

@@ -27,9 +27,19 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # parsed; the schema is always enforced (vLLM)
+
+
 class ResponseFormat(OpenAIModel):
-    type: str = "text"
-    json_schema: dict[str, Any] | None = None
+    type: str = "text"  # text | json_object | json_schema | structural_tag
+    json_schema: JsonSchemaFormat | None = None
+    # type structural_tag (vLLM)
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class SamplingRequest(OpenAIModel):
@@ -59,6 +69,20 @@ class SamplingRequest(OpenAIModel):
     response_format: ResponseFormat | None = None
     use_beam_search: bool = False
     user: str | None = None
+    # Structured outputs (nxdserve.api.structured): vLLM's field and its older guided_* names.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # vLLM's other sampling extras (issue 27 item 5: each works or is a 400 naming it)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    priority: int = 0
 
 
 class CompletionRequest(SamplingRequest):
@@ -93,6 +117,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -108,6 +108,7 @@ class AsyncEngine:
         self._last_log_tokens = (0, 0)
         self._forward_started: asyncio.Future[None] | None = None
         self._forward: asyncio.Future[Any] | None = None  # the last forward started in the worker thread
+        self.chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -121,6 +122,9 @@ class AsyncEngine:
         self.model_path = str(files.path)
         self.tokenizer = files.tokenizer
         self.generation_defaults = files.generation_defaults
+        from nxdserve.tools.flags import read_chat_template
+
+        self.chat_template = read_chat_template(self.config.chat_template)
         self._accepting = True
         self.core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
         self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
@@ -151,6 +155,9 @@ class AsyncEngine:
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
+        if self.core is not None:
+            self.core.structured.compiler.shutdown()
+            self.core.structured.shutdown()
         if self._executor is not None:
             if self.core is not None:
                 self._executor.submit(self.core.backend.shutdown)
@@ -207,6 +214,7 @@ class AsyncEngine:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
+                **({"chat_template": self.chat_template} if self.chat_template is not None else {}),
                 **(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors, bad roles: the caller's input
@@ -217,6 +225,13 @@ class AsyncEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- requests ----------------------------------------------------------------------------------
+    async def prepare(self, params: SamplingParams) -> None:
+        """Work a request needs before ``add_request`` that must not run on the event loop: compiling its
+        structured-outputs grammar (cached; a bad spec or a compile past the time limit raises
+        InvalidRequestError naming the parameter)."""
+        if params.structured_outputs is not None:
+            await self._core.structured.compiler.compile_async(params.structured_outputs)
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -251,7 +266,9 @@ class AsyncEngine:
         request_id: str | None = None,
         add_special_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(prompt, params or SamplingParams(), request_id, add_special_tokens)
+        params = params or SamplingParams()
+        await self.prepare(params)
+        stream = self.add_request(prompt, params, request_id, add_special_tokens)
         try:
             async for out in stream:
                 yield out

@@ -14,6 +14,7 @@ Failure handling lives here too: a failed backend step ends only that step's req
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
 from nxdserve.engine.step import RequestUpdate, StepResult
+from nxdserve.engine.structured import GrammarCompiler, StructuredOutputManager
 from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTooLongError
 from nxdserve.sampling_params import SamplingParams
 from nxdserve.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -183,6 +185,8 @@ class EngineCore:
         backend.bind(self.num_slots, self.max_model_len, max_spec)  # the backend creates and owns the batch
         self.scheduler = Scheduler(config, caps)
         self.outputs = OutputProcessor(tokenizer)
+        # Structured outputs (nxdserve.engine.structured): grammars compile on first use, per request.
+        self.structured = StructuredOutputManager(GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids))
         self.metrics = metrics
         self.timings = StepTimings()
         self.prompt_tokens_total = 0
@@ -203,6 +207,11 @@ class EngineCore:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
         params.validate(self.vocab_size, self.config.max_logprobs)
         self.backend.validate_request(params)
+        if params.structured_outputs is not None:  # cached when AsyncEngine.prepare compiled it off the loop
+            self.structured.compiler.compile(params.structured_outputs)
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens; -1: max_model_len
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = prompt_token_ids[len(prompt_token_ids) - keep:] if keep else []
         if not prompt_token_ids:
             raise InvalidRequestError(
                 "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
@@ -242,12 +251,14 @@ class EngineCore:
 
     def add_request(self, request: Request, prompt: str | None = None) -> None:
         self.outputs.add_request(request, prompt)
+        self.structured.add(request)
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish the requests; their slots go back to the scheduler, and to the backend's batch with the next
         plan. Not while a step's update is pending (the async engine defers aborts: ``abort_before_next_step``)."""
         finished = self.scheduler.finish_requests(request_ids, status)
+        self.structured.remove(request_ids)
         self.num_finished_total += len(finished)
         if finished and self.metrics is not None:  # keep gauges true when the engine goes idle after aborts
             self.metrics.record_step(len(self.scheduler.running), len(self.scheduler.waiting),
@@ -313,6 +324,8 @@ class EngineCore:
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """The model forward and sampling. Runs in the worker thread under AsyncEngine."""
+        if self.structured.active:  # structured outputs: the constrained rows' token mask
+            sched.plan = dataclasses.replace(sched.plan, token_mask=self.structured.fill(sched.plan, sched.requests))
         return self.backend.execute(sched.plan)
 
     def update(self, sched: SchedulerOutput, result: StepResult) -> StepUpdates:
@@ -320,6 +333,8 @@ class EngineCore:
         counters and metrics. Enough to schedule the next step; ``emit`` makes the outputs."""
         t0 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result)
+        if self.structured.active:  # structured outputs: matchers consume the accepted tokens
+            self.structured.advance(updates)
         num_generated = sum(len(u.new_token_ids) for u in updates)
         self.num_finished_total += sum(1 for u in updates if u.finished)
         self._record_spec(updates, result)

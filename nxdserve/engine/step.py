@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from nxdserve.engine.request import Request
+    from nxdserve.engine.structured.mask import StepTokenMask
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)
     # (R, max drafts) int64, -1 padded: row r's drafts in its first num_drafts[r] columns. None: no drafts.
     draft_token_ids: np.ndarray | None = None
+    # Structured outputs: the constrained rows' allowed tokens at each sampled position, attached by
+    # EngineCore.execute (nxdserve.engine.structured); the sampler applies it. None: no row is constrained.
+    token_mask: StepTokenMask | None = None
 
     @property
     def num_rows(self) -> int:

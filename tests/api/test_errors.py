@@ -44,7 +44,13 @@ COMPLETION_400 = [
     ({"n": "many"}, "n"),
     ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": MAX_MODEL_LEN}, "This model's maximum context length is"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "Invalid type"),
+    ({"guided_regex": "[a-"}, "regex"),
+    ({"structured_outputs": {"choice": []}}, "choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "Only one guided"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"suffix": "x"}, "suffix"),
 ]
@@ -77,6 +83,9 @@ CHAT_400 = [
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
     ({"max_completion_tokens": MAX_MODEL_LEN}, "This model's maximum context length is"),
     ({"stream_options": {"include_usage": True}}, "Stream options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+     "--enable-auto-tool-choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
 ]
 
 

@@ -227,7 +227,7 @@ async def test_the_next_step_is_scheduled_before_detokenizing_unless_a_stop_stri
     # A stop string may end the request in any step's text: outputs first, then the next schedule, so a
     # finished request is never scheduled again, and the text ends where the stop string starts.
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop], output_kind=OutputKind.DELTA)
     stop_calls, stop_text = await _phase_order(engine, params, "The capital of France is")
     stop_after_update = [stop_calls[i + 1] for i, c in enumerate(stop_calls[:-1]) if c == "update"]
     assert stop_after_update and set(stop_after_update) == {"emit"}, stop_calls

@@ -29,6 +29,7 @@ from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.sampler import accept_greedy
 from nxdserve.engine.step import BackendCapabilities, LogprobsBlock, StepPlan, StepResult
+from nxdserve.engine.structured.mask import TokenMask
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ PROMPT_LOGPROBS_BLOCK = 256
 class SamplerLike(Protocol):
     """What the backend needs from ``nxdserve.engine.sampling.sampler.Sampler``."""
 
-    def sample(self, logits: torch.Tensor, slots: np.ndarray, batch: PersistentBatch) -> Any: ...
+    def sample(
+        self, logits: torch.Tensor, slots: np.ndarray, batch: PersistentBatch, token_mask: TokenMask | None = None
+    ) -> Any: ...
 
     def verify(
         self,
@@ -50,6 +53,7 @@ class SamplerLike(Protocol):
         slots: np.ndarray,
         batch: PersistentBatch,
         draft_probs: torch.Tensor | None,
+        token_mask: TokenMask | None = None,
     ) -> Any: ...
 
 
@@ -178,6 +182,7 @@ class TorchBackend(Backend):
             if (
                 rows.sampled.size
                 and self._greedy_from_head
+                and plan.token_mask is None  # constrained rows need the logits
                 and self.sampler.plain_greedy(rows.slots[rows.sampled], batch)
             ):
                 # (valid positions,): each row's tokens, and for drafting rows every draft position's
@@ -210,12 +215,12 @@ class TorchBackend(Backend):
             num_sampled[rows.sampled] = out.num_tokens.numpy()
         elif logits is not None:
             if rows.width == 1:  # no drafts anywhere: plain sampling
-                out = self.sampler.sample(logits, rows.slots[rows.sampled], batch)
+                out = self.sampler.sample(logits, rows.slots[rows.sampled], batch, _mask(plan, rows))
                 out_tokens[rows.sampled, 0] = out.token_ids.cpu().numpy()
                 num_sampled[rows.sampled] = 1
                 block = _with_width(out.logprobs)
             else:  # every sampled row verifies; rows without drafts verify as plain decodes
-                out = self._verify(batch, rows, logits, verify_valid, plan.draft_probs)
+                out = self._verify(batch, rows, logits, verify_valid, plan.draft_probs, _mask(plan, rows))
                 out_tokens[rows.sampled] = out.token_ids.cpu().numpy()
                 num_sampled[rows.sampled] = out.num_tokens.cpu().numpy()
                 block = out.logprobs
@@ -268,6 +273,7 @@ class TorchBackend(Backend):
         flat_logits: torch.Tensor,
         verify_valid: np.ndarray,
         plan_draft_probs: Any,
+        token_mask: TokenMask | None = None,
     ) -> Any:
         device = flat_logits.device
         width = rows.width
@@ -289,6 +295,7 @@ class TorchBackend(Backend):
             slots,
             batch,
             draft_probs,
+            token_mask=token_mask,
         )
 
     @staticmethod
@@ -467,3 +474,10 @@ def _concat_blocks(blocks: list[LogprobsBlock]) -> LogprobsBlock:
         np.concatenate([b.logprobs for b in blocks]),
         np.concatenate([b.ranks for b in blocks]),
     )
+
+
+def _mask(plan: StepPlan, rows: _Rows) -> TokenMask | None:
+    """Structured outputs: the plan's token mask over the sampled rows' logits (``rows.width`` positions each)."""
+    if plan.token_mask is None:
+        return None
+    return plan.token_mask.for_logits(rows.sampled, rows.width)

@@ -35,6 +35,7 @@ from nxdserve.engine.sampling.rejection import (
 from nxdserve.engine.sampling.rows import RowParams, SlotTables, to_device
 from nxdserve.engine.sampling.truncation import NEG_INF, Support, restrict_support
 from nxdserve.engine.step import LogprobsBlock
+from nxdserve.engine.structured.mask import TokenMask
 
 # top-k/top-p candidate sets tried before a full sort (see truncation.py). On one CPU core a 50k-wide
 # sort costs ~3.4 ms per row, a top-64 ~0.09 ms and a top-1024 ~0.6 ms; on accelerators sorting is cheap.
@@ -74,9 +75,14 @@ class Sampler:
         self._tables: SlotTables | None = None
 
     # -- public API --------------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, slots: np.ndarray, batch: PersistentBatch) -> SampleOutput:
-        """One token per row of ``logits`` (N, V); row i uses the parameters of ``slots[i]``."""
-        logits = self._trim(logits)
+    def sample(
+        self, logits: torch.Tensor, slots: np.ndarray, batch: PersistentBatch, token_mask: TokenMask | None = None
+    ) -> SampleOutput:
+        """One token per row of ``logits`` (N, V); row i uses the parameters of ``slots[i]``. ``token_mask``
+        (structured outputs) limits some rows to their allowed tokens; logprobs stay the model's."""
+        logits = model_logits = self._trim(logits)
+        if token_mask is not None:
+            logits = token_mask.masked(logits)
         rows = RowParams.gather(batch, slots)
         tables = self._slot_tables(batch)
         plan = ProcessorPlan.build(rows, tables)
@@ -93,6 +99,8 @@ class Sampler:
                 apply_processors(work, plan, rows, tables, batch)
             writable = work is not logits and not (work is raw and num_top >= 0)
             tokens = self._select(work, rows, batch, tables, writable)
+        if num_top >= 0 and token_mask is not None:
+            raw = model_logits.float()
         logprobs = compute_logprobs(raw, tokens, num_top) if num_top >= 0 else None
         return SampleOutput(token_ids=tokens, logprobs=logprobs)
 
@@ -113,15 +121,19 @@ class Sampler:
         slots: np.ndarray,
         batch: PersistentBatch,
         draft_probs: torch.Tensor | None,
+        token_mask: TokenMask | None = None,
     ) -> VerifyOutput:
         """Rejection-sample drafts against target ``logits`` (N, W, V).
 
         Row i judges ``draft_token_ids[i, :num_drafts[i]]``; ``logits[i, j]`` (j <= num_drafts[i])
         predicts the token after draft j - 1. ``draft_probs`` (N, >= W - 1, V), on the logits' device,
-        are the proposer's probabilities, or None for point proposals.
+        are the proposer's probabilities, or None for point proposals. ``token_mask`` (structured outputs) indexes
+        the (N * W) positions: a draft its grammar forbids is never accepted.
         """
-        logits = self._trim(logits)
+        logits = model_logits = self._trim(logits)
         n, width, vocab = logits.shape
+        if token_mask is not None:
+            logits = token_mask.masked(logits.reshape(n * width, vocab)).view(n, width, vocab)
         device = logits.device
         max_drafts = width - 1
         drafts = draft_token_ids[:, :max_drafts].to(device=device, dtype=torch.long)
@@ -197,7 +209,7 @@ class Sampler:
 
         token_ids = assemble(drafts, num_accepted, final, width)
         num_top = int(rows.num_logprobs.max(initial=-1))
-        logprobs = compute_logprobs(logits, token_ids, num_top) if num_top >= 0 else None
+        logprobs = compute_logprobs(model_logits, token_ids, num_top) if num_top >= 0 else None
         return VerifyOutput(token_ids=token_ids, num_tokens=num_accepted + 1, logprobs=logprobs)
 
     def _verify_noise(

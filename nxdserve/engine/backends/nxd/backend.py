@@ -39,6 +39,7 @@ from nxdserve.engine.backends.nxd.neuron_config import FUSED_METHODS, NxdSetting
 from nxdserve.engine.backends.nxd.outputs import read_fused, read_logits, read_tokens
 from nxdserve.engine.sampling.sampler import Sampler
 from nxdserve.engine.step import BackendCapabilities, FusedSpecResult, LogprobsBlock, StepPlan, StepResult
+from nxdserve.engine.structured.mask import StepTokenMask
 from nxdserve.errors import ConfigError, InvalidRequestError
 from nxdserve.model_files import load_hf_config
 from nxdserve.sampling_params import SamplingParams
@@ -59,6 +60,10 @@ def cpu_sampling_features(params: SamplingParams) -> list[str]:
         "logit_bias": bool(params.logit_bias),
         "min_tokens": params.min_tokens > 0,
         "seed": params.seed is not None and not params.is_greedy,  # NxD samples with the device's RNG
+        # issue 27: token masks (grammars, allowed ids, bad words) apply to the logits on the host
+        "structured_outputs": params.structured_outputs is not None,
+        "allowed_token_ids": bool(params.allowed_token_ids),
+        "bad_words": bool(params.bad_words),
     }
     return [name for name, on in used.items() if on]
 
@@ -107,6 +112,7 @@ class NxdBackend(Backend):
         self._needs_cpu = np.zeros(num_seqs, dtype=bool)
         self._needs_cpu_version = -1
         self._warned_slots: set[int] = set()
+        self._token_mask: StepTokenMask | None = None
         logger.info("NxD backend ready: sampling %s, %d slots, max_model_len %d", s.sampling_mode, num_seqs,
                     max_model_len)
 
@@ -151,6 +157,7 @@ class NxdBackend(Backend):
             self.kv_len[slot] = 0
         if np.any(plan.num_drafts > 0):
             raise RuntimeError("the nxd backend does not verify engine drafts; NxD speculation runs fused on device")
+        self._token_mask = plan.token_mask  # structured outputs: those rows are sampled on the host
         width = max(1, self.settings.speculation_length)
         step = _StepOutputs(plan.num_rows, width)
         prefill = plan.start_pos < self.batch.num_prompt_tokens[plan.slots]
@@ -271,12 +278,17 @@ class NxdBackend(Backend):
             on_cpu = self._rows_needing_cpu(slots)
         elif mode == "device":
             self._warn_unsupported(slots)
+        token_mask = None
+        if self._token_mask is not None and mode != "device":
+            constrained = np.isin(rows, self._token_mask.rows)
+            on_cpu |= constrained
+            token_mask = self._token_mask.restrict(rows[on_cpu]).for_logits(rows[on_cpu], 1)
         chosen = np.zeros(rows.size, dtype=np.int64)
         if not on_cpu.all():
             chosen[~on_cpu] = read_tokens(output)[idx[~on_cpu]]
         if on_cpu.any():
             logits = read_logits(output, self.vocab_size)[torch.from_numpy(idx[on_cpu])]
-            sampled = self.sampler.sample(logits, slots[on_cpu], self.batch)
+            sampled = self.sampler.sample(logits, slots[on_cpu], self.batch, token_mask)
             chosen[on_cpu] = sampled.token_ids.numpy()
             if sampled.logprobs is not None:
                 step.put_logprobs(rows[on_cpu], sampled.logprobs)
