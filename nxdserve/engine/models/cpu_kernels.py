@@ -51,21 +51,24 @@ MAX_HEAD_DIM = 256
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCE = "kernels.c"  # includes the other parts: one translation unit (see its comment)
 
-# Target flags per variant. -mtune=generic everywhere: each build runs on several microarchitectures.
+# Target flags per variant: the ISA explicit (a build runs on every CPU that has it), the tuning for the CPU that
+# builds it (-mtune=native: the cache is per machine, and the CPU model is part of its key). Under -mtune=generic
+# GCC vectorised the attention's softmax tail differently, so bf16 results moved by an ulp in rare rows (greedy
+# bf16 text changed on a Zen 3 EPYC); tuned natively, the bits there are the old -march=native build's again.
 # avx512bf16: x86-64-v4 (AVX512F/BW/CD/DQ/VL) plus the extensions the kernels test for (AVX512-BF16 and -VNNI,
 # AMX-TILE/BF16/INT8), rather than -march=sapphirerapids: that would also allow AVX512-FP16 and AVX-VNNI, which
 # AVX512-BF16 EPYCs (Zen 4) lack, and the kernels use neither. Every #if in the sources takes the branch it took
 # under -march=native on those machines; the AMX code is compiled in for all of them and runs only where
 # gemm_amx() finds the tiles and the OS permission (before, Zen 4 builds left it out).
 # generic and avx2 add -fno-tree-loop-distribute-patterns: GCC turns the attention's fp32 row-copy loops into
-# memcpy, which -mtune=generic expands into 16-byte moves that the 32-byte loads right after cannot forward from:
-# 1.44x the attention's time of the old -march=native build on a Zen 3 EPYC; as loops they vectorise at the
-# loads' width (0.74x). (The avx512bf16 build keeps GCC's default, as the machines it was tuned on built it.)
+# memcpy, which some tunings (generic) expand into 16-byte moves that the 32-byte loads right after cannot forward
+# from (1.44x the attention's time on a Zen 3 EPYC); as loops they vectorise at the loads' width (0.65-0.74x of
+# the -march=native build's time there). (The avx512bf16 build keeps GCC's default, as its machines built it.)
 _PLAIN_LOOPS = "-fno-tree-loop-distribute-patterns"
 VARIANTS: dict[str, dict[str, list[str]]] = {
     "x86_64": {
-        "generic": ["-march=x86-64", "-mtune=generic", _PLAIN_LOOPS],
-        "avx2": ["-march=x86-64-v3", "-mtune=generic", _PLAIN_LOOPS],
+        "generic": ["-march=x86-64", "-mtune=native", _PLAIN_LOOPS],
+        "avx2": ["-march=x86-64-v3", "-mtune=native", _PLAIN_LOOPS],
         "avx512bf16": [
             "-march=x86-64-v4",
             "-mavx512bf16",
@@ -73,12 +76,12 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
             "-mamx-tile",
             "-mamx-bf16",
             "-mamx-int8",
-            "-mtune=generic",
+            "-mtune=native",
         ],
     },
     "aarch64": {
-        "generic": ["-march=armv8-a", "-mtune=generic"],
-        "neon": ["-march=armv8.2-a+fp16+dotprod", "-mtune=generic"],
+        "generic": ["-march=armv8-a", "-mtune=native"],
+        "neon": ["-march=armv8.2-a+fp16+dotprod", "-mtune=native"],
     },
 }
 # The /proc/cpuinfo flags each variant needs (x86-64-v3's are AVX2's set; abm is LZCNT).
@@ -142,6 +145,15 @@ def compiler() -> list[str] | None:
     return [found] if found else None
 
 
+def _cpu_model() -> str:
+    """What -mtune=native tunes for, as a cache key: the CPU's model line."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((ln for ln in lines if ln.startswith(("model name", "CPU part"))), "")
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "nxdserve" / "kernels"
@@ -167,7 +179,7 @@ def build_variant(
     compile_flags = [*COMPILE_FLAGS, *target_flags, *extra_flags]
     link_flags = [*LINK_FLAGS, *extra_flags]
     digest = hashlib.sha256()
-    for part in [variant, " ".join(compile_flags), " ".join(link_flags), " ".join(cc), version]:
+    for part in [variant, " ".join(compile_flags), " ".join(link_flags), " ".join(cc), version, _cpu_model()]:
         digest.update(part.encode() + b"\0")
     for src in _sources():
         digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
