@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nxdserve.config import EngineConfig
+from nxdserve.engine.dp.args import add_data_parallel_args, apply_data_parallel_args
 from nxdserve.errors import ConfigError
 
 if TYPE_CHECKING:  # the server stack is imported only when serving, so `nxdserve bench` starts fast
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    add_data_parallel_args(p)  # data parallel (issue 31): vLLM's --data-parallel-* flags, in nxdserve.engine.dp
     return p
 
 
@@ -246,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     try:
         config = engine_config_from_args(args)
+        config = apply_data_parallel_args(config, args)  # data parallel (issue 31)
     except ConfigError as exc:
         parser.error(str(exc))
     _configure_logging(args.log_level)

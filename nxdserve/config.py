@@ -60,6 +60,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     override_neuron_config: dict[str, Any] | None = None
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    data_parallel_size: int = 1  # engine processes behind one API server (nxdserve.engine.dp)
 
     def resolve(
         self,
