@@ -1,5 +1,8 @@
 """--data-parallel-size 2 on the default model: two engine processes behind one API server. Streaming, abort,
-/health and /metrics through the processes, load spreading, and an engine process killed mid-stream."""
+/health and /metrics through the processes, load spreading, and an engine process killed mid-stream.
+
+Slow (two model loads plus a restart: 4-5 minutes on this shared 2-core machine); the pieces without a model
+are in test_dp_units.py in the default suite."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from nxdserve.api.server import BackgroundServer
 from nxdserve.engine.dp.client import DataParallelEngine
 from tests.api.conftest import sse_events, start_server
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 LONG = {"prompt": "Count to a thousand:", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
