@@ -27,22 +27,28 @@ class ForwardedRequest:
     query_string: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
-    # Read by ray.serve.llm's PrefixCacheAffinityRouter (it looks for a ``prompt`` or ``messages`` attribute).
-    prompt: Any = None
-    messages: Any = None
+    # The body's "prompt" or "messages", for ray.serve.llm's PrefixCacheAffinityRouter: it takes the first of
+    # ``messages`` / ``prompt`` that the object *has* (hasattr), so only the one the body holds is an attribute.
+    routing_text: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        text = self.__dict__.get("routing_text", {})
+        if name in text:
+            return text[name]
+        raise AttributeError(name)
 
     @classmethod
     def build(cls, method: str, path: str, query_string: bytes, headers: list[tuple[bytes, bytes]],
               body: bytes) -> ForwardedRequest:
-        prompt = messages = None
+        routing_text: dict[str, Any] = {}
         if method == "POST" and body:
             try:
                 data = json.loads(body)
             except ValueError:
                 data = None  # the app answers the 400
             if isinstance(data, dict):
-                prompt, messages = data.get("prompt"), data.get("messages")
-        return cls(method, path, query_string, headers, body, prompt, messages)
+                routing_text = {k: data[k] for k in ("messages", "prompt") if data.get(k) is not None}
+        return cls(method, path, query_string, headers, body, routing_text)
 
 
 async def play(app: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:

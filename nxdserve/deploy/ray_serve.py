@@ -40,6 +40,10 @@ from nxdserve.engine.dp.metrics import labelled_families
 logger = logging.getLogger(__name__)
 
 PREFIX_AWARE_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+# The same class where it is defined. Ray 2.60's public module above imports Ray Serve LLM's protocol models,
+# which need vLLM or SGLang installed; the defining module needs neither.
+_PREFIX_AWARE_ROUTER_IMPL = ("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router."
+                             "PrefixCacheAffinityRouter")
 _METRICS_PUSH_INTERVAL_S = 1.0
 _METRICS_STALE_S = 15.0  # a replica that stopped reporting (dead) drops out of /metrics after this
 
@@ -200,11 +204,22 @@ def build_app(args: dict[str, Any]) -> Any:
     else:
         options["num_replicas"] = int(args.get("num_replicas", 1))
     if _truthy(args.get("prefix_aware", False)):
-        options["request_router_config"] = {"request_router_class": PREFIX_AWARE_ROUTER}
+        options["request_router_config"] = {"request_router_class": prefix_aware_router()}
     hub = MetricsHub.bind()
     engine = NxdServeEngine.options(**options).bind(engine_config, hub, args.get("api_key"),
                                                     float(args.get("drain_timeout_s", 30.0)))
     return OpenAIIngress.bind(engine, hub)
+
+
+def prefix_aware_router() -> str:
+    """The import path of Ray's PrefixCacheAffinityRouter that this installation can load."""
+    try:
+        import ray.serve.llm.request_router
+    except ImportError:
+        import ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router  # noqa: F401
+
+        return _PREFIX_AWARE_ROUTER_IMPL
+    return PREFIX_AWARE_ROUTER
 
 
 def _actor_options(args: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Ray Serve (slow; needs ``pip install nxdserve[ray]``): a local Ray cluster, two replicas of the default model
-(max_num_seqs 4, one CPU each), 64 concurrent OpenAI SDK streams, one replica killed mid-run. Every request
-either completed or ended with a clear error; the next 32 all succeed; /metrics labels each replica."""
+(max_num_seqs 4, one CPU each, routed by Ray's PrefixCacheAffinityRouter), 64 concurrent OpenAI SDK streams,
+one replica killed mid-run. Every request either completed or ended with a clear error; the next 32 all
+succeed; /metrics labels each replica."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def serve_url() -> Iterator[str]:
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd()}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({"max_num_seqs": 4, "max_model_len": 256, "num_replicas": 2, "num_cpus": 1,
-                     "served_model_name": "smol", "drain_timeout_s": 5})
+                     "served_model_name": "smol", "drain_timeout_s": 5, "prefix_aware": True})
     serve.run(app, name="nxdserve", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
