@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,6 +23,10 @@ STATS_INTERVAL_S = 0.25
 
 def run_engine_process(config: EngineConfig, placement: Placement, conn: Connection, log_level: int) -> None:
     """The process's entry point (spawned: nothing of the API process's state is inherited)."""
+    # The API process decides when engines stop (its drain on SIGTERM, or its pipe closing if it dies): a Ctrl-C
+    # that reaches the whole process group must not kill the engines under requests that are draining.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     placement.apply()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [engine {placement.index}] "
                                                 "%(name)s: %(message)s")
