@@ -6,8 +6,9 @@ Same run, same machine, same workload, the default model:
    worth each (``num_cpus`` 1, ``num_threads`` 1, ``max_num_seqs`` S), behind Serve's proxy and our ingress;
 3. ``direct-1``: one ``nxdserve`` process with one thread, as one replica's engine but without Serve.
 Load: ``--requests`` concurrent streams of ``--max-tokens`` tokens (ignore_eos) on 1 and 2: output tokens/s and
-the ratio serve / single. Hop: ``--probes`` sequential short requests on 2 and 3 (one at a time, so no
-queueing): the Serve hop's added TTFT is serve's p50 / p99 minus direct-1's.
+the ratio serve / single. Hop: ``--probes`` short requests alternating between 2 and 3 (both up, one request at a
+time, so neither queues nor competes with the other): the Serve hop's added TTFT is serve's p50 / p99 minus
+direct-1's. The load averages before and after go into the JSON: other work on the machine moves the figures.
 
 On this project's 2-core VM, shared with other work, two replicas have one core each, the single process two
 threads; the numbers are this machine's, not a Neuron instance's. Needs ``pip install nxdserve[ray]``.
@@ -97,13 +98,23 @@ async def load(url: str, n: int, max_tokens: int) -> dict[str, Any]:
     return summary(results, duration)
 
 
-async def probes(url: str, n: int, max_tokens: int) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        await one_request(client, MODEL, PROMPTS[0], max_tokens)  # warm-up
-        start = time.perf_counter()
-        results = [await one_request(client, MODEL, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(n)]
-        duration = time.perf_counter() - start
-    return summary(results, duration)
+async def interleaved_probes(urls: list[str], n: int, max_tokens: int) -> list[dict[str, Any]]:
+    """``n`` sequential requests to each URL, alternating between them (same moments, same machine load)."""
+    clients = [httpx.AsyncClient(base_url=url, timeout=300) for url in urls]
+    results: list[list[Result]] = [[] for _ in urls]
+    durations = [0.0] * len(urls)
+    try:
+        for client in clients:
+            await one_request(client, MODEL, PROMPTS[0], max_tokens)  # warm-up
+        for i in range(n):
+            for k, client in enumerate(clients):
+                start = time.perf_counter()
+                results[k].append(await one_request(client, MODEL, PROMPTS[i % len(PROMPTS)], max_tokens))
+                durations[k] += time.perf_counter() - start
+    finally:
+        for client in clients:
+            await client.aclose()
+    return [summary(r, d) for r, d in zip(results, durations, strict=True)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -136,7 +147,7 @@ def main() -> int:
     p.add_argument("--result-file", default=str(REPO / "bench-results" / "scaleout.json"))
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
-    report: dict[str, Any] = {"cores": cores, "config": vars(args)}
+    report: dict[str, Any] = {"cores": cores, "config": vars(args), "loadavg_before": os.getloadavg()}
 
     proc, url = start_nxdserve(cores, 2 * args.max_num_seqs, args.max_model_len)
     try:
@@ -146,21 +157,23 @@ def main() -> int:
     url = start_serve(args.max_num_seqs, args.max_model_len, cores)
     try:
         report["serve_load"] = asyncio.run(load(url, args.requests, args.max_tokens))
-        report["serve_probe"] = asyncio.run(probes(url, args.probes, args.probe_tokens))
+        proc, direct_url = start_nxdserve(1, args.max_num_seqs, args.max_model_len)
+        try:
+            report["serve_probe"], report["direct1_probe"] = asyncio.run(
+                interleaved_probes([url, direct_url], args.probes, args.probe_tokens))
+        finally:
+            stop(proc)
     finally:
         stop_serve()
-    proc, url = start_nxdserve(1, args.max_num_seqs, args.max_model_len)
-    try:
-        report["direct1_probe"] = asyncio.run(probes(url, args.probes, args.probe_tokens))
-    finally:
-        stop(proc)
+    report["loadavg_after"] = os.getloadavg()
 
     single, serve_, hop, direct = (report["single_load"], report["serve_load"], report["serve_probe"],
                                    report["direct1_probe"])
     report["throughput_ratio_serve_over_single"] = serve_["output_tok_s"] / single["output_tok_s"]
     report["serve_hop_added_ttft_ms_p50"] = hop["ttft_ms_p50"] - direct["ttft_ms_p50"]
     report["serve_hop_added_ttft_ms_p99"] = hop["ttft_ms_p99"] - direct["ttft_ms_p99"]
-    print(f"\n{cores} cores; load: {args.requests} concurrent streams x {args.max_tokens} tokens")
+    print(f"\n{cores} cores (load average before / after: {report['loadavg_before'][0]:.1f} / "
+          f"{report['loadavg_after'][0]:.1f}); load: {args.requests} concurrent streams x {args.max_tokens} tokens")
     print(f"{'':<34}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'failed':>8}")
     for name, row in (("single process, all cores", single), ("Ray Serve, 2 replicas x 1 core", serve_),
                       ("probe: Ray Serve (sequential)", hop), ("probe: direct 1-thread (sequential)", direct)):
