@@ -191,8 +191,8 @@ class DataParallelEngine:
                 continue
             await asyncio.to_thread(process.join, wait)
             if process.is_alive():
-                logger.warning("engine %d did not exit; terminating it", handle.index)
-                process.terminate()
+                logger.warning("engine %d did not exit; killing it", handle.index)
+                process.kill()  # engine processes ignore SIGTERM (worker.run_engine_process)
                 await asyncio.to_thread(process.join, 5.0)
         for handle in self.handles:
             self._fail_streams(handle, EngineDeadError("the server is shutting down"))
