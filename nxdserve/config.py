@@ -82,6 +82,7 @@ class EngineConfig:
     # disable_additional_properties, enable_in_reasoning
     structured_outputs_config: dict[str, Any] | None = None
     # -- end of issue 27's block --
+    data_parallel_size: int = 1  # engine processes behind one API server (nxdserve.engine.dp)
 
     def resolve(
         self,

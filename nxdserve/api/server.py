@@ -139,11 +139,11 @@ async def _report_progress(started: float) -> None:
 
 async def start_engine(engine_config: Any) -> Any:
     """Create and start an AsyncEngine, logging progress while the model loads."""
-    from nxdserve import AsyncEngine
+    from nxdserve.engine.dp import create_engine
 
     started = time.monotonic()
     logger.info("loading model %s ...", engine_config.model or "(embedded default model)")
-    engine = AsyncEngine(engine_config)
+    engine = create_engine(engine_config)  # an AsyncEngine, or data-parallel engine processes
     progress = asyncio.create_task(_report_progress(started))
     try:
         await engine.start()

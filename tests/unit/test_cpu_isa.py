@@ -21,7 +21,6 @@ from nxdserve.config import EngineConfig
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.backends.torch_backend import TorchBackend
 from nxdserve.engine.models import SlotModelRunner, cpu_kernels, cpu_setup
-from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.errors import ConfigError
 from tests.helpers.tiny_model import single_torch_thread, tiny_model_path
 from tests.unit.test_torch_backend import run_greedy
@@ -212,8 +211,7 @@ def _greedy(path: str, dtype: str) -> dict[int, list[int]]:
     ).resolve(model_max_positions=512)  # fmt: skip
     backend = TorchBackend(tiny_model_path("llama"), config)
     assert backend.kernel_path == path
-    batch = PersistentBatch(4, 64, max_spec_tokens=0)
-    backend.bind(batch)
+    batch = backend.bind(4, 64, 0)
     prompts = {0: random_ids(12, seed=11), 2: random_ids(3, seed=12)}
     return run_greedy(backend, batch, prompts, num_new=6, chunk=5)
 
