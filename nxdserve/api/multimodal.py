@@ -106,8 +106,8 @@ async def load_chat_images(messages: Sequence[Any], options: MediaOptions) -> li
 
 
 def require_image_support(engine: Any, images: Sequence[ImageInput]) -> None:
-    """A 400 naming the first image when the served model takes no images. A backend that runs a
-    vision-language model sets ``accepts_images`` on the engine."""
+    """A 400 naming the first image when the served model takes no images (``AsyncEngine.accepts_images``:
+    the backend's ``BackendCapabilities.image_inputs``)."""
     if images and not getattr(engine, "accepts_images", False):
         raise APIError(
             f"{images[0].where}: the served model is a text-only model and takes no image inputs.",
