@@ -147,7 +147,7 @@ def test_image_to_text_configs_take_a_text_and_a_vision_neuron_config() -> None:
 
 def test_vision_language_checkpoints_are_refused_at_start_up(tmp_path: Path) -> None:
     path = _tiny_qwen2_vl_config(tmp_path / "qwen2-vl")
-    refusal = r"Qwen2VLForConditionalGeneration is a vision-language model.*--backend torch"
+    refusal = r"Qwen2VLForConditionalGeneration is a vision-language model \(NeuronQwen2VLForCausalLM\).*image-to-text"
     with pytest.raises(ConfigError, match=refusal):
         build_inference_config(path, resolved(dtype="float32", max_model_len=256, max_num_seqs=4), load_hf_config(path))
 

@@ -228,8 +228,8 @@ def refuse_image_to_text(cls: Any, hf_config: Any) -> None:
         archs = ", ".join(getattr(hf_config, "architectures", None) or []) or str(getattr(hf_config, "model_type", ""))
         raise ConfigError(
             f"{archs} is a vision-language model ({cls.__name__}); nxdserve's NxD backend drives NxD Inference's "
-            "text-only causal-LM applications and does not run its image-to-text applications yet. "
-            "Use --backend torch for this model. See docs/neuron.md."
+            "text-only causal-LM applications and does not run its image-to-text applications yet "
+            "(nor does the torch backend serve vision-language models yet). See docs/neuron.md."
         )
 
 
