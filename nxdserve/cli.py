@@ -154,6 +154,7 @@ def api_keys_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
+    from nxdserve.api.multimodal import MediaOptions
     from nxdserve.api.server import ServeOptions
 
     keys = api_keys_from_args(args)
@@ -187,6 +188,9 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         uvloop=args.uvloop,
         log_config_file=args.log_config_file,
+        media=MediaOptions.from_flags(
+            args.allowed_local_media_path, args.allowed_media_domains, args.limit_mm_per_prompt
+        ),
     )
 
 

@@ -21,6 +21,7 @@ from nxdserve.api.chat import create_chat_completion, render_prompt
 from nxdserve.api.completions import create_completion
 from nxdserve.api.errors import APIError, handle_exception
 from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware, load_user_middleware
+from nxdserve.api.multimodal import MediaOptions
 from nxdserve.api.openapi import openapi_schema
 from nxdserve.api.params import check_token_ids
 from nxdserve.api.protocol import DetokenizeRequest, TokenizeRequest
@@ -191,5 +192,6 @@ def create_app(
         log_requests=log_requests,
         max_log_len=opts.max_log_len if opts else None,
         responses=ResponseStore(),
+        media=opts.media if opts else MediaOptions(),
     )
     return app

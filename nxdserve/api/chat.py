@@ -15,6 +15,7 @@ from nxdserve.api.chat_output import ChatOutputPlan
 from nxdserve.api.errors import APIError, sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import TokenIdNames, chat_logprobs
+from nxdserve.api.multimodal import load_chat_images, require_image_support
 from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out, fan_out
 from nxdserve.api.protocol import ChatCompletionRequest, ChatMessage
 from nxdserve.api.responses import (
@@ -110,6 +111,7 @@ async def create_chat_completion(request: Request) -> Response:
     check_chat(req)
     check_fan_out(1, req.n)
     engine = state.engine
+    require_image_support(engine, await load_chat_images(req.messages, state.media))
     plan = ChatOutputPlan.build(req, engine.config)
     prompt = render_prompt(engine, req)
     params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)

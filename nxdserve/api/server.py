@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from nxdserve.api.app import create_app
+from nxdserve.api.multimodal import MediaOptions
 
 logger = logging.getLogger("nxdserve.server")
 T = TypeVar("T")
@@ -92,6 +93,7 @@ class ServeOptions:
     h11_max_incomplete_event_size: int | None = None
     uvloop: bool | None = None  # None: NXDSERVE_UVLOOP decides
     log_config_file: str | None = None
+    media: MediaOptions = field(default_factory=MediaOptions)  # image sources and limits (api.multimodal)
 
     @property
     def scheme(self) -> str:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from nxdserve.api.errors import APIError, format_validation_error, model_not_found
+from nxdserve.api.multimodal import MediaOptions
 
 logger = logging.getLogger("nxdserve.requests")
 
@@ -28,6 +29,7 @@ class ServerState:
     log_requests: bool = False
     max_log_len: int | None = None  # --max-log-len: prompt characters / token ids per log line; None: all
     responses: Any = None  # the Responses API's store (responses_api.ResponseStore)
+    media: MediaOptions = field(default_factory=MediaOptions)  # image sources and per-prompt limits
     extra: dict[str, Any] = field(default_factory=dict)
 
     def log_request(self, request_id: str, prompts: Sequence[str | list[int]], params: Any) -> None:

@@ -40,8 +40,10 @@ def add_model_flags(p: ServeParser) -> None:
     )  # fmt: skip
     g.add("--seed", type=int, default=0, note="engine seed for unseeded requests")
     g.refused("--hf-config-path", type=nullable_str, default=None, note="put config.json in the model folder")
-    g.not_yet("--allowed-local-media-path", default="", note=VISION)
-    g.not_yet("--allowed-media-domains", nargs="+", default=None, note=VISION)
+    g.add("--allowed-local-media-path", default="",
+          note="folder whose files chat image parts may name as file: URLs (off by default)")
+    g.add("--allowed-media-domains", nargs="+", default=None,
+          note="hosts whose http(s) image URLs the server fetches (none by default: no fetching)")
     g.add("--revision", type=nullable_str, default=None,
           note="branch, tag or commit of a hub id, looked up in the local HF cache (refs/<branch>, snapshots/<rev>)")
     g.no_effect("--code-revision", type=nullable_str, default=None, note=NO_REMOTE)
@@ -142,8 +144,9 @@ def add_cache_flags(p: ServeParser) -> None:
 
 
 def add_multimodal_and_lora_flags(p: ServeParser) -> None:
-    g = p.flag_group("MultiModalConfig", "Media inputs (not available yet)")
-    g.not_yet("--limit-mm-per-prompt", type=json_object, default=None, note=VISION)
+    g = p.flag_group("MultiModalConfig", "Media inputs")
+    g.add("--limit-mm-per-prompt", type=json_object, default=None,
+          note='most images one prompt may hold, e.g. \'{"image": 4}\' (default 999)')
     g.not_yet("--enable-mm-embeds", action=BOOL, default=False, note=VISION)
     g.not_yet("--media-io-kwargs", type=json_object, default=None, note=VISION)
     g.not_yet("--mm-processor-kwargs", type=json_object, default=None, note=VISION)

@@ -22,6 +22,7 @@ from nxdserve.engine.core import (
     RunInWorker,
 )
 from nxdserve.engine.outputs import RequestOutput
+from nxdserve.engine.prompts import PromptInput, parse_prompt
 from nxdserve.errors import EngineDeadError, InvalidRequestError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 
@@ -184,6 +185,11 @@ class AsyncEngine:
         return self._core.max_model_len
 
     @property
+    def accepts_images(self) -> bool:
+        """Whether prompts may carry images (the API's image parts and ``multi_modal_data``)."""
+        return bool(self._core.capabilities.image_inputs)
+
+    @property
     def backend_name(self) -> str:
         return self._core.backend.name
 
@@ -234,7 +240,7 @@ class AsyncEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: PromptInput,
         params: SamplingParams,
         request_id: str | None = None,
         add_special_tokens: bool = True,
@@ -245,11 +251,16 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineDeadError("the engine is not accepting requests (starting or shutting down)")
         core = self._core
-        if isinstance(prompt, str):
-            prompt_text: str | None = prompt
-            token_ids = self.encode(prompt, add_special_tokens) if prompt else []
+        parsed = parse_prompt(prompt)
+        if parsed.images and not self.accepts_images:
+            raise InvalidRequestError(
+                "multi_modal_data: the served model is a text-only model and takes no images.", param="multi_modal_data"
+            )
+        prompt_text = parsed.text
+        if parsed.token_ids is not None:
+            token_ids = parsed.token_ids
         else:
-            prompt_text, token_ids = None, list(prompt)
+            token_ids = self.encode(prompt_text, add_special_tokens) if prompt_text else []
         if request_id is not None and request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
         request = core.make_request(token_ids, params, request_id)
@@ -261,7 +272,7 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         add_special_tokens: bool = True,

@@ -61,6 +61,8 @@ class BackendCapabilities:
     draft_alternatives: bool = False
     global_top_k: int | None = None  # sampling happens within the top global_top_k logits (NxD)
     eos_token_ids: tuple[int, ...] = ()
+    # The model is a vision-language model the backend drives end to end: prompts may carry images.
+    image_inputs: bool = False
 
 
 @dataclass(frozen=True)

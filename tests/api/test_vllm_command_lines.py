@@ -100,6 +100,8 @@ STARTS = [
     "python -m vllm.entrypoints.openai.api_server --model meta-llama/Llama-3.1-8B-Instruct --max-num-seqs 4 "
     "--max-model-len 128 --tensor-parallel-size 32 --port 8080 --device neuron "
     "--override-neuron-config '{\"enable_bucketing\": false}'",
+    # 20. docs.vllm.ai, Features > Multimodal inputs (online serving): "--limit-mm-per-prompt '{\"image\": 2}'"
+    "vllm serve Qwen/Qwen2.5-VL-3B-Instruct --limit-mm-per-prompt '{\"image\": 2}'",
 ]
 
 
@@ -139,6 +141,8 @@ def test_plans_hold_what_the_lines_say(hub_cache: Path) -> None:
     cfg, opts, _ = plan(STARTS[12])
     assert (cfg.backend, cfg.device, opts.port) == ("nxd", "auto", 8080)  # type: ignore[attr-defined]
     assert cfg.override_neuron_config == {"enable_bucketing": False}
+    _, opts, _ = plan(STARTS[-1])
+    assert opts.media.limit_per_prompt == {"image": 2} and opts.media.allowed_media_domains == ()  # type: ignore[attr-defined]
 
 
 # Lines that must fail at once: (command, words the message must hold).
@@ -161,9 +165,6 @@ FAILS = [
     ("vllm serve openai/gpt-oss-20b --tensor-parallel-size 8 "
      "--additional-config '{\"neuron_config\": {\"num_batched_tokens_buckets\": [256, 512, 1024]}}'",
      ["neuron_config", "override_neuron_config"]),
-    # 20. docs.vllm.ai, Features > Multimodal inputs (online serving): "--limit-mm-per-prompt '{\"image\": 2}'"
-    ("vllm serve Qwen/Qwen2.5-VL-3B-Instruct --limit-mm-per-prompt '{\"image\": 2}'",
-     ["--limit-mm-per-prompt", "not available", "text model"]),
 ]  # fmt: skip
 
 

@@ -120,3 +120,35 @@ def test_limits_and_sampling_modes() -> None:
     assert _settings(output_logits=True).sampling_mode == "hybrid"
     assert _settings(output_logits=True, speculation_length=5).sampling_mode == "device"
     assert _settings(on_device_sampling=False, global_topk=None).sampling_mode == "cpu"
+
+
+def _tiny_qwen2_vl_config(folder: Path) -> Path:
+    """A Qwen2-VL checkpoint's config.json only: the adapter decides from the config, before any weight loads."""
+    from transformers import Qwen2VLConfig
+
+    Qwen2VLConfig(
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "vocab_size": 512, "rope_scaling": {"type": "mrope",
+                                                                                   "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+        architectures=["Qwen2VLForConditionalGeneration"],
+    ).save_pretrained(folder)
+    return folder
+
+
+def test_image_to_text_configs_take_a_text_and_a_vision_neuron_config() -> None:
+    """The contract the old adapter broke: one NeuronConfig is a TypeError in NxD's image-to-text configs."""
+    from neuronx_distributed_inference.models.config import NeuronConfig
+    from neuronx_distributed_inference.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLInferenceConfig
+
+    with pytest.raises(TypeError, match="vision_neuron_config"):
+        Qwen2VLInferenceConfig(NeuronConfig(), load_config=lambda c: None)
+
+
+def test_vision_language_checkpoints_are_refused_at_start_up(tmp_path: Path) -> None:
+    path = _tiny_qwen2_vl_config(tmp_path / "qwen2-vl")
+    refusal = r"Qwen2VLForConditionalGeneration is a vision-language model \(NeuronQwen2VLForCausalLM\).*image-to-text"
+    with pytest.raises(ConfigError, match=refusal):
+        build_inference_config(path, resolved(dtype="float32", max_model_len=256, max_num_seqs=4), load_hf_config(path))
+
+

@@ -29,6 +29,7 @@ from nxdserve.engine.dp.placement import Placement, plan
 from nxdserve.engine.dp.protocol import EngineFacts, from_wire
 from nxdserve.engine.dp.worker import run_engine_process
 from nxdserve.engine.outputs import RequestOutput
+from nxdserve.engine.prompts import PromptInput, parse_prompt
 from nxdserve.engine.structured import GrammarCompiler
 from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from nxdserve.sampling_params import SamplingParams
@@ -309,13 +310,19 @@ class DataParallelEngine:
         if self.config.max_waiting is not None and len(handle.streams) >= facts.max_num_seqs + self.config.max_waiting:
             raise QueueFullError(f"The waiting queue is full ({self.config.max_waiting} requests); retry later.")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+    def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
                     add_special_tokens: bool = True) -> DataParallelStream:
         """Validate and send to the least loaded engine now; raises a typed error instead of returning a stream."""
         import uuid
 
         if not self._accepting:
             raise EngineDeadError("the engine is not accepting requests (starting or shutting down)")
+        parsed = parse_prompt(prompt)
+        if parsed.images:  # the engines serve text-only models (AsyncEngine.accepts_images)
+            raise InvalidRequestError(
+                "multi_modal_data: the served model is a text-only model and takes no images.", param="multi_modal_data"
+            )
+        prompt = parsed.token_ids if parsed.token_ids is not None else (parsed.text or "")
         handle = self._pick()
         request_id = request_id or uuid.uuid4().hex
         token_ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) and prompt else prompt

@@ -230,12 +230,16 @@ class LlamaFamilyModel(nn.Module):
         kv_cache: SlotKVCache,
         keep: torch.Tensor | None = None,
         on_compute: Callable[[], None] | None = None,
+        embeds: torch.Tensor | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """token_ids (T,) -> final-norm hidden states (T, hidden). T counts ``meta.alts`` after the rows.
 
         ``keep`` (increasing token indices; not with alternatives): only those tokens' states are returned,
         (len(keep), hidden), and the fused forward computes no more of the last layer than they need.
-        ``on_compute``: called when the inputs are set up and the layers' compute begins."""
+        ``on_compute``: called when the inputs are set up and the layers' compute begins.
+        ``embeds`` (T, hidden) replaces the token embeddings (image features merged in) and ``cos_sin`` the
+        rotary tables (multimodal RoPE); vision-language models pass them (models/qwen2_vl.py)."""
         alts = meta.alts
         if keep is not None and alts is not None:
             raise ValueError("keep cannot be combined with draft alternatives")
@@ -244,12 +248,12 @@ class LlamaFamilyModel(nn.Module):
             alts.kv = torch.empty(
                 s.num_layers, alts.count, 2, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device
             )
-        if self.fused_decode.accepts(token_ids, meta, kv_cache):
+        if embeds is None and cos_sin is None and self.fused_decode.accepts(token_ids, meta, kv_cache):
             x = F.embedding(token_ids, self.embed_weight).contiguous()
             return self.fused_decode.run(x, meta, kv_cache, keep, on_compute)
-        x = F.embedding(token_ids, self.embed_weight)
+        x = F.embedding(token_ids, self.embed_weight) if embeds is None else embeds
         positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
-        cos, sin = self.rope.gather(positions)
+        cos, sin = self.rope.gather(positions) if cos_sin is None else cos_sin
         if on_compute is not None:
             on_compute()
         for i, layer in enumerate(self.layers):

@@ -31,6 +31,7 @@ from nxdserve.engine.backends.nxd.neuron_config import (
     draft_neuron_config,
     merge_overrides,
     pick_model_class,
+    refuse_image_to_text,
 )
 from nxdserve.errors import ConfigError
 
@@ -64,6 +65,7 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
     cls = pick_model_class(hf_config, MODEL_TYPES)
+    refuse_image_to_text(cls, hf_config)
     kwargs, draft_overrides = merge_overrides(default_neuron_config(config), config.override_neuron_config)
     neuron_config = cls.get_neuron_config_cls()(**kwargs)
     inference_config = cls.get_config_cls()(neuron_config, load_config=load_pretrained_config(str(model_path)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import logging
 import os
 import re
@@ -209,6 +210,27 @@ def pick_model_class(hf_config: Any, model_types: dict[str, dict[str, Any]]) -> 
         f"NxD Inference has no causal-LM class for this model ({', '.join(tried) or model_type!r}); "
         f"supported model types: {', '.join(sorted(model_types))}. Use --backend torch."
     )
+
+
+def refuse_image_to_text(cls: Any, hf_config: Any) -> None:
+    """Refuse, at start-up, the vision-language applications this backend does not drive end to end.
+
+    NxDI's image-to-text applications (Llama 4, Pixtral, Qwen2-VL, Qwen3-VL, Mllama, ...) build their
+    InferenceConfig from ``text_neuron_config`` and ``vision_neuron_config`` and take image tensors in
+    ``forward``; the backend builds one NeuronConfig and passes token ids only, so without this check
+    those checkpoints die in NxD with a TypeError, or would run with their images silently dropped.
+    """
+    config_cls = cls.get_config_cls()
+    takes_two_configs = "text_neuron_config" in inspect.signature(config_cls.__init__).parameters
+    image_to_text_app = any(base.__name__ == "NeuronBaseForImageToText" for base in inspect.getmro(cls))
+    vision_checkpoint = getattr(hf_config, "vision_config", None) is not None
+    if takes_two_configs or image_to_text_app or vision_checkpoint:
+        archs = ", ".join(getattr(hf_config, "architectures", None) or []) or str(getattr(hf_config, "model_type", ""))
+        raise ConfigError(
+            f"{archs} is a vision-language model ({cls.__name__}); nxdserve's NxD backend drives NxD Inference's "
+            "text-only causal-LM applications and does not run its image-to-text applications yet "
+            "(nor does the torch backend serve vision-language models yet). See docs/neuron.md."
+        )
 
 
 # -- artifact cache ----------------------------------------------------------------------------------------

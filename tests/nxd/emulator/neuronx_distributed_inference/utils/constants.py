@@ -5,6 +5,7 @@ from __future__ import annotations
 from neuronx_distributed_inference.models.llama.modeling_llama import NeuronLlamaForCausalLM
 from neuronx_distributed_inference.models.mistral.modeling_mistral import NeuronMistralForCausalLM
 from neuronx_distributed_inference.models.qwen2.modeling_qwen2 import NeuronQwen2ForCausalLM
+from neuronx_distributed_inference.models.qwen2_vl.modeling_qwen2_vl import NeuronQwen2VLForCausalLM
 from neuronx_distributed_inference.models.qwen3.modeling_qwen3 import NeuronQwen3ForCausalLM
 
 CONTEXT_ENCODING_MODEL = "context_encoding_model"
@@ -16,4 +17,5 @@ MODEL_TYPES = {
     "mistral": {"causal-lm": NeuronMistralForCausalLM},
     "qwen2": {"causal-lm": NeuronQwen2ForCausalLM},
     "qwen3": {"causal-lm": NeuronQwen3ForCausalLM},
+    "qwen2_vl": {"causal-lm": NeuronQwen2VLForCausalLM},
 }
