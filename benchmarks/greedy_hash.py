@@ -29,6 +29,10 @@ from nxdserve.model_files import resolve_model
 from nxdserve.sampling_params import SamplingParams
 from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
 
+# Draft at every batch size: by default drafting turns on and off from measured step costs, which would make the
+# seeded outputs depend on the machine's load (greedy outputs are the same either way).
+ALWAYS_DRAFT = {"disable_by_batch_size": 1024}
+
 MODES: dict[str, dict[str, Any]] = {
     "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
     "prefill-first": {"enable_chunked_prefill": False},
@@ -80,8 +84,9 @@ def main() -> None:
     args = parser.parse_args()
     specs: dict[str, dict[str, Any] | None] = {
         "plain": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-        "eagle": {"method": "eagle", "model": identity_eagle_head(), "num_speculative_tokens": 3},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                  **ALWAYS_DRAFT},
+        "eagle": {"method": "eagle", "model": identity_eagle_head(), "num_speculative_tokens": 3, **ALWAYS_DRAFT},
     }
     rows = []
     for mode, mode_config in MODES.items():
