@@ -114,6 +114,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         disable_log_stats=args.disable_log_stats,
         cpu=cpu_options_from_args(args),
+        quantization=args.quantization,
     )
 
 
@@ -202,7 +203,7 @@ def check_combination(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--uds {args.uds!r} is a folder; give a socket file path.")
     _check_model_is_local(args)
     infos = []
-    if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
+    if args.quantization == "gguf" and args.model is not None and not str(args.model).endswith(".gguf"):
         raise ConfigError("--quantization gguf: --model must be a .gguf file.")
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).is_dir():
         raise ConfigError(
