@@ -172,3 +172,18 @@ def test_perplexity_bounds_on_the_shipped_sample() -> None:
     for method, bound in (("int8", 0.01), ("fp8", 0.025), ("int4", 0.10), ("gguf", 0.01)):
         ppl = perplexity(next_token_logits(_default_model(method), ids), ids)
         assert abs(ppl / ref - 1) < bound, (method, ppl, ref)
+
+
+def test_engine_serves_a_quantized_model_through_the_torch_backend() -> None:
+    from nxdserve.sampling_params import SamplingParams
+    from tests.helpers.engine import make_core, run_to_completion
+
+    core = make_core(model=str(tiny_model_path("llama")), quantization="int4", max_model_len=64, max_num_seqs=4)
+    model = core.backend.model
+    assert isinstance(model.layers[1].down_weight, quant.QuantLinear)
+    prompts = [[1, 450, 3001, 97], [1, 12, 5000, 23, 8, 77]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in run_to_completion(core, prompts, params)]
+    alone = [run_to_completion(core, [p], params)[0].outputs[0].token_ids for p in prompts]
+    assert all(len(t) == 6 for t in together)
+    assert together == alone  # rows batched or alone: the same quantized compute per row
