@@ -187,3 +187,25 @@ def test_engine_serves_a_quantized_model_through_the_torch_backend() -> None:
     alone = [run_to_completion(core, [p], params)[0].outputs[0].token_ids for p in prompts]
     assert all(len(t) == 6 for t in together)
     assert together == alone  # rows batched or alone: the same quantized compute per row
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_every_runnable_cpu_path_gives_the_same_quantized_logits(method: str) -> None:
+    """--cpu-isa forced to each path this CPU runs (avx2 / generic / none here; avx512bf16 / amx where present):
+    the quantized model's logits equal the kernel-free path's (``none``), prefill and decode."""
+    from nxdserve.cpu_options import CpuOptions
+    from nxdserve.engine.models import cpu_kernels, cpu_setup
+
+    model = LlamaFamilyModel.from_pretrained(tiny_model_path("llama"), torch.float32, torch.device("cpu"), 64)
+    quant.quantize_model(model, method)
+    ids = [1, 450, 3001, 97, 12, 5000, 23, 8]
+    results = {}
+    try:
+        for path in cpu_kernels.runnable_paths():
+            assert cpu_setup.apply(CpuOptions(isa=path)) == path
+            results[path] = next_token_logits(model, ids)
+    finally:
+        cpu_setup.apply(CpuOptions())
+    assert "none" in results and len(results) >= 2
+    for path, logits in results.items():
+        torch.testing.assert_close(logits, results["none"], rtol=1e-5, atol=1e-5, msg=path)
