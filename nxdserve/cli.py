@@ -119,6 +119,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         disable_log_stats=args.disable_log_stats,
         cpu=cpu_options_from_args(args),
         **chat_config_kwargs(args),  # issue 27
+        quantization=args.quantization,
     )
 
 
@@ -211,7 +212,7 @@ def check_combination(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--uds {args.uds!r} is a folder; give a socket file path.")
     _check_model_is_local(args)
     infos = []
-    if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
+    if args.quantization == "gguf" and args.model is not None and not str(args.model).endswith(".gguf"):
         raise ConfigError("--quantization gguf: --model must be a .gguf file.")
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).is_dir():
         raise ConfigError(

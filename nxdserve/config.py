@@ -31,6 +31,10 @@ DEFAULT_CPU_CHUNKED_BATCHED_TOKENS = 128
 DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW = 0.5
 
 
+# --quantization values (engine.models.quant.METHODS, plus gguf); vLLM's names where vLLM has one.
+QUANTIZATION_METHODS = ("fp8", "int8", "rtn-int8", "int4", "rtn", "int4-g32", "int4-g64", "int4-g128", "gguf")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
@@ -83,6 +87,9 @@ class EngineConfig:
     structured_outputs_config: dict[str, Any] | None = None
     # -- end of issue 27's block --
     data_parallel_size: int = 1  # engine processes behind one API server (nxdserve.engine.dp)
+    # Weight format (--quantization): None = dense in ``dtype``; a name in engine.models.quant.METHODS quantizes
+    # a dense checkpoint at load; "gguf" keeps a .gguf model's own quantized blocks.
+    quantization: str | None = None
 
     def resolve(
         self,
@@ -104,6 +111,10 @@ class EngineConfig:
             raise ConfigError(
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={model_max_positions}."
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"--quantization {self.quantization!r}: expected one of {', '.join(QUANTIZATION_METHODS)}."
             )
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}.")

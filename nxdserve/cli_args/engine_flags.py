@@ -6,6 +6,7 @@ import argparse
 
 from nxdserve.cli_args.registry import ServeParser
 from nxdserve.cli_args.types import json_object, json_value, nullable_int, nullable_str, size
+from nxdserve.config import QUANTIZATION_METHODS
 
 BOOL = argparse.BooleanOptionalAction
 NO_REMOTE = "nxdserve never downloads and runs no model code from the hub"
@@ -52,8 +53,10 @@ def add_model_flags(p: ServeParser) -> None:
     g.add("--tokenizer-revision", type=nullable_str, default=None, note="revision of a cached hub --tokenizer")
     g.add("--max-model-len", type=size, default=None, note="context length; 1k = 1000, 1K = 1024 "
           "(default: min(model, 2048))")  # fmt: skip
-    g.not_yet("--quantization", "-q", type=nullable_str, default=None, allowed=("gguf",),
-              note="Quantized weights are tracked in their own issue (a .gguf model is dequantized at load).")
+    g.add("--quantization", "-q", type=nullable_str, default=None, choices=[None, *QUANTIZATION_METHODS],
+          note="weight-only, online from a dense checkpoint: fp8 (e4m3 per channel), int8 / rtn-int8 (per channel), "
+          "int4 (group 32), rtn (4-bit group 128, as vLLM's rtn), int4-g32/64/128; gguf: a .gguf model served "
+          "from its own 4-bit blocks (the default model too); torch backend")  # fmt: skip
     g.no_effect("--enforce-eager", action=BOOL, default=False, note=NO_CUDA_GRAPHS)
     g.add("--max-logprobs", type=int, default=20, note="largest logprobs / top_logprobs a request may ask")
     g.refused("--logprobs-mode", default="raw_logprobs", note="nxdserve returns raw logprobs")

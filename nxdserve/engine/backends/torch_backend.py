@@ -84,6 +84,11 @@ class TorchBackend(Backend):
             model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device
         )
         self.model = self.runner.model
+        if config.quantization is not None:
+            from nxdserve.engine.models.quant import quantize_model
+
+            quantize_model(self.model, config.quantization, _gguf_file(config))
+            logger.info("weights: --quantization %s", config.quantization)
         logger.info(
             "torch backend: %s on %s in %s, %d slots x %d positions (KV cache %.0f MiB), loaded in %.1f s",
             self.model.spec.model_type,
@@ -481,3 +486,10 @@ def _mask(plan: StepPlan, rows: _Rows) -> TokenMask | None:
     if plan.token_mask is None:
         return None
     return plan.token_mask.for_logits(rows.sampled, rows.width)
+def _gguf_file(config: EngineConfig) -> Path | None:
+    """The .gguf file the model came from: --model's, or the embedded default model's."""
+    from nxdserve.model_files import default_gguf_path
+
+    if config.model is None:
+        return default_gguf_path()
+    return Path(config.model) if str(config.model).endswith(".gguf") else None

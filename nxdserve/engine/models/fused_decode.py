@@ -84,6 +84,7 @@ class FusedDecode:
         weight = self.layers[0].qkv_weight  # the live dtype: a module may be cast after it was built
         return (
             self.supported_model
+            and isinstance(weight, torch.Tensor)  # not a quantized weight (quant.QuantLinear)
             and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu"
             and 0 < meta.num_tokens + (0 if meta.alts is None else meta.alts.count) <= MAX_TOKENS

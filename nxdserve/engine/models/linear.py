@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nxdserve.engine.models import gemm
+from nxdserve.engine.models.quant import QuantLinear
 
 _ATTR = "_nxdserve_packed"
 _PACKED_DTYPES = (torch.bfloat16,)
@@ -72,10 +73,19 @@ def drop_packed(weight: torch.Tensor) -> None:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantLinear,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, plus ``residual`` when given (rounded as the eager ``out + residual``):
-    through ``gemm`` or the packed oneDNN weight when there is no autograd to record."""
+    through ``gemm`` or the packed oneDNN weight when there is no autograd to record; a quantized weight
+    (``quant.QuantLinear``) through its own kernel."""
+    if isinstance(weight, QuantLinear):
+        out = weight(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], weight.out_features)
+        if bias is not None:
+            out = out + bias
+        return out if residual is None else out + residual
     if not enabled or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         out = F.linear(x, weight, bias)
         return out if residual is None else out + residual

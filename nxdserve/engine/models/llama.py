@@ -28,6 +28,7 @@ from nxdserve.engine.models.attention import (
 from nxdserve.engine.models.fused_decode import FusedDecode
 from nxdserve.engine.models.greedy_head import GreedyHead
 from nxdserve.engine.models.linear import linear
+from nxdserve.engine.models.quant import QuantLinear
 from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.errors import ConfigError
@@ -197,6 +198,7 @@ class LlamaFamilyModel(nn.Module):
         self.rope = RotaryTables(inv_freq, scaling, self.max_len, dtype, device)
         self.windows = frozenset(spec.sliding_windows)
         self.greedy_head = GreedyHead(self.lm_head_weight)
+        self.lm_head_quant: QuantLinear | None = None  # set by quantize_linears (the head's quantized copy)
         self.fused_decode = FusedDecode(spec, self.layers, self.rope, final_norm=self.norm)
 
     @classmethod
@@ -264,13 +266,31 @@ class LlamaFamilyModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> float32 logits (..., vocab)."""
-        return linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_quant or self.lm_head_weight).float()
 
     @torch.inference_mode()
     def compute_greedy(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """``compute_logits(hidden)[:, :vocab].argmax(-1)``, same indices, without the logits where the CPU
         screen applies (``greedy_head``); None elsewhere."""
+        if self.lm_head_quant is not None:  # the screen reads the dense head, not the quantized one
+            return None
         return self.greedy_head.argmax(hidden, vocab)
+
+    # Per layer, the dense weights a quantized format replaces (HF names of what they fuse in the comments).
+    QUANTIZABLE = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    @torch.no_grad()
+    def quantize_linears(self, make: Callable[[str, torch.Tensor], QuantLinear | None]) -> None:
+        """Replace each layer's linear weights, and the LM head's (the embedding stays dense for the lookup),
+        with ``make(name, dense_weight)``; None keeps that weight dense. ``name``: ``layers.{i}.{attr}`` or
+        ``lm_head``. The dense tensors are freed (the embedding too, where untied)."""
+        for i, layer in enumerate(self.layers):
+            for attr in self.QUANTIZABLE:
+                quantized = make(f"layers.{i}.{attr}", getattr(layer, attr))
+                if quantized is not None:
+                    del layer._parameters[attr]
+                    setattr(layer, attr, quantized)
+        self.lm_head_quant = make("lm_head", self.lm_head_weight)
 
     # -- weight loading ------------------------------------------------------------------------------
 

@@ -75,6 +75,12 @@ class NxdBackend(Backend):
     def __init__(self, model_path: Path, config: EngineConfig, loaded: LoadedApp | None = None) -> None:
         if config.max_model_len is None:
             raise ConfigError("NxdBackend needs a resolved EngineConfig (max_model_len is unset).")
+        if config.quantization is not None:  # issue 29 item 4: not mapped onto NxD's keys yet
+            raise ConfigError(
+                f"--quantization {config.quantization}: the nxd backend does not map it yet; set NxD's own keys "
+                '(e.g. --override-neuron-config \'{"quantized": true, "quantization_dtype": "int8", ...}\') '
+                "or use --backend torch."
+            )
         hf_config = load_hf_config(model_path)
         self.loaded = loaded or load_application(model_path, config, hf_config)
         self.app = self.loaded.app
