@@ -144,7 +144,7 @@ def test_plans_hold_what_the_lines_say(hub_cache: Path) -> None:
     cfg, opts, _ = plan(STARTS[12])
     assert (cfg.backend, cfg.device, opts.port) == ("nxd", "auto", 8080)  # type: ignore[attr-defined]
     assert cfg.override_neuron_config == {"enable_bucketing": False}
-    _, opts, _ = plan(STARTS[-1])
+    _, opts, _ = plan(STARTS[-2])
     assert opts.media.limit_per_prompt == {"image": 2} and opts.media.allowed_media_domains == ()  # type: ignore[attr-defined]
 
 
