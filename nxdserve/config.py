@@ -70,6 +70,12 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     disable_log_stats: bool = False
+    # LoRA (vLLM's LoRAConfig): adapters resident in the forward's buffers, their maximum rank, and how many
+    # stay loaded on the host (None: max_loras), least recently used evicted first.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     cpu: CpuOptions = field(default_factory=CpuOptions)  # the torch backend's CPU switches (--cpu-* flags)
 
     def resolve(

@@ -91,6 +91,8 @@ class FusedDecode:
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
             and meta.use_kernel
+            # The C forward has no LoRA: a step with an adapter row takes the layer-by-layer path.
+            and meta.lora is None
             and not torch.is_grad_enabled()
             and available()
         )
