@@ -94,3 +94,33 @@ def test_more_adapters_than_max_loras_are_deferred(adapters: dict[str, Path]) ->
         assert _run(core, jobs) == alone
         assert not core.lora.is_loaded("all")  # host LRU of one: evicted, and read again on use
         assert _run(core, [jobs[0]]) == [alone[0]]
+
+
+def test_fused_cpu_decode_falls_back_when_an_adapter_row_is_in_the_step(
+    adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused C decoder (AVX512-BF16 only) has no LoRA: with an adapter token in the step, ``accepts`` says
+    no and the forward runs the layers; a base-only step keeps it."""
+    import numpy as np
+    import torch
+
+    from nxdserve.engine.models import fused_decode
+    from nxdserve.engine.models.runner import SlotModelRunner
+    from nxdserve.lora.stack import LoraStack
+
+    monkeypatch.setattr(fused_decode, "available", lambda: True)  # as on an AVX512-BF16 machine
+    runner = SlotModelRunner.from_pretrained(tiny_model_path("llama"), 2, 64, torch.bfloat16, torch.device("cpu"))
+    stack = LoraStack(runner.model.spec, 2, 16, torch.bfloat16, torch.device("cpu"))
+    core = _core()
+    _register(core, adapters)
+    slot = stack.slot_for(core.lora.resolve("all"), set())
+    tokens = torch.tensor([5, 6])
+    meta = runner.metadata(np.array([0, 1]), np.array([3, 3]), np.array([1, 1]))
+    meta.use_kernel = True
+    fused = runner.model.fused_decode
+    with torch.inference_mode():
+        assert fused.accepts(tokens, meta, runner.kv_cache)  # base rows only: the fused path
+        meta.lora = stack.step(np.array([-1, slot]))
+        assert meta.lora is not None
+        assert not fused.accepts(tokens, meta, runner.kv_cache)
+    assert stack.step(np.array([-1, -1])) is None  # no adapter token: no LoRA work at all
