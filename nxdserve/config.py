@@ -76,6 +76,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_modules: list[Any] = field(default_factory=list)  # nxdserve.lora.LoRARequest, loaded at start
     cpu: CpuOptions = field(default_factory=CpuOptions)  # the torch backend's CPU switches (--cpu-* flags)
 
     def resolve(

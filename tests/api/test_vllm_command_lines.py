@@ -100,6 +100,8 @@ STARTS = [
     "python -m vllm.entrypoints.openai.api_server --model meta-llama/Llama-3.1-8B-Instruct --max-num-seqs 4 "
     "--max-model-len 128 --tensor-parallel-size 32 --port 8080 --device neuron "
     "--override-neuron-config '{\"enable_bucketing\": false}'",
+    # 17. docs.vllm.ai, Features > LoRA adapters (serving section)
+    "vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/tmp/sql-lora",
 ]
 
 
@@ -139,6 +141,9 @@ def test_plans_hold_what_the_lines_say(hub_cache: Path) -> None:
     cfg, opts, _ = plan(STARTS[12])
     assert (cfg.backend, cfg.device, opts.port) == ("nxd", "auto", 8080)  # type: ignore[attr-defined]
     assert cfg.override_neuron_config == {"enable_bucketing": False}
+    cfg, _, _ = plan(STARTS[13])
+    assert cfg.enable_lora and (cfg.max_loras, cfg.max_lora_rank) == (1, 16)
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in cfg.lora_modules] == [("sql-lora", 1, "/tmp/sql-lora")]
 
 
 # Lines that must fail at once: (command, words the message must hold).
@@ -151,9 +156,6 @@ FAILS = [
     ("vllm serve Qwen/Qwen2-7B-Instruct --quantization fp8", ["--quantization 'fp8'", "not available"]),
     # 16. docs.vllm.ai, Features > Quantization > Quantized KV cache ("--kv-cache-dtype fp8")
     ("vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8", ["--kv-cache-dtype 'fp8'", "use auto"]),
-    # 17. docs.vllm.ai, Features > LoRA adapters (serving section)
-    ("vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/tmp/sql-lora",
-     ["--enable-lora", "LoRA", "not available"]),
     # 18. Mistral model cards on Hugging Face: "--tokenizer_mode mistral --config_format mistral --load_format mistral"
     ("vllm serve mistralai/Mistral-7B-Instruct-v0.3 --tokenizer_mode mistral --config_format mistral "
      "--load_format mistral", ["--tokenizer-mode 'mistral'", "drop the flag"]),
@@ -167,7 +169,7 @@ FAILS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("command", "words"), FAILS, ids=[f"line{14 + i}" for i in range(len(FAILS))])
+@pytest.mark.parametrize(("command", "words"), FAILS, ids=[f"line{15 + i}" for i in range(len(FAILS))])
 def test_unsupported_lines_fail_at_once_saying_why(hub_cache: Path, command: str, words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
         plan(command)

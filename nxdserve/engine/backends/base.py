@@ -85,6 +85,10 @@ class Backend(abc.ABC):
         override this (and read ``NewRequest.lora``)."""
         raise ConfigError(f"the {type(self).__name__} cannot run LoRA adapters")
 
+    def drop_lora(self, lora_int_id: int) -> None:  # noqa: B027 - optional hook
+        """An adapter was unregistered: forget its device copy (rows still running on it keep it until they
+        finish). Called in the worker thread."""
+
     def validate_request(self, params: SamplingParams) -> None:  # noqa: B027 - optional hook
         """Raise InvalidRequestError for parameters this backend cannot honour (checked at admission)."""
 

@@ -128,6 +128,10 @@ class TorchBackend(Backend):
     def lora_model_spec(self) -> ModelSpec:
         return self.model.spec
 
+    def drop_lora(self, lora_int_id: int) -> None:
+        if self.lora_stack is not None:
+            self.lora_stack.evict(lora_int_id)
+
     def check_batch_size(self, max_num_seqs: int, max_model_len: int) -> None:
         if max_num_seqs > self.runner.num_slots or max_model_len > self.runner.max_len:
             raise ConfigError(
