@@ -256,7 +256,7 @@ class AsyncEngine:
         else:
             assert registry is not None
             name = lora_request.lora_name
-            if name in registry.requests and registry.is_loaded(name):
+            if registry.requests.get(name) == lora_request and registry.is_loaded(name):
                 request.lora = registry.resolve(name)  # in host memory: no I/O
                 core.add_request(request, prompt_text)
             else:
@@ -272,9 +272,7 @@ class AsyncEngine:
         registry = self._core.lora
         assert registry is not None
         try:
-            if lora_request.lora_name not in registry.requests:
-                await asyncio.to_thread(registry.load, lora_request)
-            request.lora = await asyncio.to_thread(registry.resolve, lora_request.lora_name)
+            request.lora = await asyncio.to_thread(registry.ensure, lora_request)
         except Exception as exc:  # the adapter's files went bad since it was registered: this request only
             if self._streams.pop(request.request_id, None) is not None:
                 stream.put(exc)

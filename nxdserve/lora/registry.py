@@ -51,6 +51,25 @@ class LoraRegistry:
             self._keep(adapter)
         return adapter
 
+    def ensure(self, request: LoRARequest) -> LoraAdapter:
+        """``request``'s adapter, registering it on first use (vLLM's generate(lora_request=...)); concurrent
+        first uses of the same adapter register it once."""
+        with self._lock:
+            known = self.requests.get(request.lora_name)
+        if known is None:
+            try:
+                return self.load(request)
+            except LoRAAdapterError:
+                with self._lock:
+                    known = self.requests.get(request.lora_name)
+                if known is None:
+                    raise
+        if known != request:
+            raise LoRAAdapterError(
+                f"The lora adapter '{request.lora_name}' is registered as {known}, not {request}", param="model"
+            )
+        return self.resolve(request.lora_name)
+
     def resolve(self, name: str) -> LoraAdapter:
         """The adapter's host weights, read again from its path if they were evicted."""
         with self._lock:
