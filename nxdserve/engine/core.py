@@ -353,6 +353,8 @@ class EngineCore:
             )
             if sched.num_prefix_queried_tokens:
                 self.metrics.record_prefix_cache(sched.num_prefix_queried_tokens, sched.num_prefix_cached_tokens)
+            if self.lora is not None:
+                self.metrics.record_lora(*self.scheduler.adapter_names(), self.lora.max_loras)
         tm.process += time.perf_counter() - t0
         return StepUpdates(updates, result)
 

@@ -168,6 +168,12 @@ class Scheduler:
             best = min(self._free_slots, key=lambda s: (s in self._resident, self._freed_at.get(s, 0), s))
         return best, min(best_len, request.num_prompt_tokens - 1)
 
+    def adapter_names(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) LoRA adapters, sorted: the labels of vllm:lora_requests_info."""
+        running = {r.lora_name for r in self.running if r.lora is not None}
+        waiting = {r.lora_name for r in self.waiting if r.lora is not None}
+        return sorted(running), sorted(waiting)  # type: ignore[arg-type]
+
     def _lora_fits(self, request: Request) -> bool:
         """Admitting ``request`` keeps the running adapters within ``max_loras``."""
         name = request.lora_name

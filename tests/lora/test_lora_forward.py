@@ -124,3 +124,21 @@ def test_fused_cpu_decode_falls_back_when_an_adapter_row_is_in_the_step(
         assert meta.lora is not None
         assert not fused.accepts(tokens, meta, runner.kv_cache)
     assert stack.step(np.array([-1, -1])) is None  # no adapter token: no LoRA work at all
+
+
+def test_lora_requests_info_metric(adapters: dict[str, Path]) -> None:
+    """vllm:lora_requests_info names the running adapter and the one deferred by max_loras=1."""
+    with single_torch_thread():
+        core = _core(max_loras=1)
+        _register(core, adapters)
+        assert core.metrics is not None
+        for name in ("all", "mlp-r16", None):
+            p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            core.add_request(core.make_request(PROMPTS[0], p, lora=None if name is None else core.lora.resolve(name)))
+        core.step()
+        samples = [s for m in core.metrics.registry.collect() if m.name == "vllm:lora_requests_info" for s in m.samples]
+        assert len(samples) == 1 and samples[0].value > 1e9  # the current time, as vLLM sets it
+        expected = {"max_lora": "1", "running_lora_adapters": "all", "waiting_lora_adapters": "mlp-r16"}
+        assert samples[0].labels == expected
+        while core.has_unfinished:
+            core.step()
