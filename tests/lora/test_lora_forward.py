@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from nxdserve.engine.core import EngineCore
+from nxdserve.engine.step import StepPlan, StepResult
 from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.helpers.engine import make_core
@@ -142,3 +143,47 @@ def test_lora_requests_info_metric(adapters: dict[str, Path]) -> None:
         assert samples[0].labels == expected
         while core.has_unfinished:
             core.step()
+
+
+def test_prefix_reuse_is_keyed_by_adapter(adapters: dict[str, Path]) -> None:
+    """A free slot's KV is reused only by a prompt on the same adapter: KV computed with one adapter would
+    give another (or the base model) wrong outputs."""
+    prompt = PROMPTS[2]
+    with single_torch_thread():
+        plain = _core(max_num_seqs=1)
+        _register(plain, adapters)
+        expected = {name: _run(plain, [(prompt, name)])[0] for name in (None, "all")}
+        core = _core(max_num_seqs=1, enable_prefix_caching=True)
+        _register(core, adapters)
+        assert _run(core, [(prompt, "all")])[0] == expected["all"]
+        request = core.make_request(prompt, SamplingParams(max_tokens=1))
+        assert core.scheduler._pick_slot(request)[1] == 0  # the slot holds the adapter's KV: not reused
+        assert _run(core, [(prompt, None)])[0] == expected[None]
+        assert core.scheduler._pick_slot(request)[1] == len(prompt) - 1  # now the base KV: reused
+        assert _run(core, [(prompt, None)])[0] == expected[None]
+        assert _run(core, [(prompt, "all")])[0] == expected["all"]
+
+
+def test_speculation_verifies_with_the_adapter(adapters: dict[str, Path]) -> None:
+    """Drafts come from the base model (a self-draft of its first layer: proposers run no adapter); the target
+    verifies them with each row's adapter applied, so the greedy output is the one without speculation, for
+    adapter and base rows in one batch."""
+    spec = {"method": "draft_model", "self_draft_layers": 1, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 1024}  # always draft
+    with single_torch_thread():
+        plain = _core()
+        _register(plain, adapters)
+        jobs = [([1, 5, 6, 7, 5, 6, 7, 5, 6], name) for name in (None, "all", "attn-rslora", "mlp-r16")]
+        expected = _run(plain, jobs)
+        core = _core(speculative_config=spec)
+        _register(core, adapters)
+        drafts: list[int] = []
+        execute = core.backend.execute
+
+        def counting(plan: StepPlan) -> StepResult:
+            drafts.append(int(plan.num_drafts.sum()))
+            return execute(plan)
+
+        core.backend.execute = counting  # type: ignore[method-assign]
+        assert _run(core, jobs) == expected
+        assert sum(drafts) > 0  # drafts were verified, not skipped
