@@ -187,7 +187,9 @@ class EngineCore:
         self.lora: LoraRegistry | None = None  # adapters served (--enable-lora)
         if config.enable_lora:
             spec = backend.lora_model_spec()
-            self.lora = LoraRegistry(spec, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+            self.lora = LoraRegistry(
+                spec, config.max_loras, config.max_lora_rank, config.max_cpu_loras, check=backend.check_lora
+            )
         self.outputs = OutputProcessor(tokenizer)
         self.metrics = metrics
         self.timings = StepTimings()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.errors import LoRAAdapterError, LoRANotFoundError
@@ -17,7 +18,15 @@ from nxdserve.lora.request import LoRARequest
 
 
 class LoraRegistry:
-    def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int | None,
+        check: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """``check(name, path)``: the backend's own refusal (the nxd backend serves compiled-in adapters only)."""
         if max_loras < 1:
             raise LoRAAdapterError(f"max_loras must be >= 1, got {max_loras}", param="max_loras")
         if max_lora_rank not in VALID_MAX_RANKS:
@@ -30,6 +39,7 @@ class LoraRegistry:
                 f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})", param="max_cpu_loras"
             )
         self.spec = spec
+        self.check = check
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = cpu
@@ -45,6 +55,8 @@ class LoraRegistry:
                                        param="lora_name")
             if any(r.lora_int_id == request.lora_int_id for r in self.requests.values()):
                 raise LoRAAdapterError(f"lora_int_id {request.lora_int_id} is already in use", param="lora_int_id")
+        if self.check is not None:
+            self.check(request.lora_name, request.lora_path)
         adapter = self._read(request)
         with self._lock:
             self.requests[request.lora_name] = request

@@ -85,6 +85,9 @@ class Backend(abc.ABC):
         override this (and read ``NewRequest.lora``)."""
         raise ConfigError(f"the {type(self).__name__} cannot run LoRA adapters")
 
+    def check_lora(self, name: str, path: str) -> None:  # noqa: B027 - optional hook
+        """Raise LoRAAdapterError for an adapter this backend cannot serve (checked when it is registered)."""
+
     def drop_lora(self, lora_int_id: int) -> None:  # noqa: B027 - optional hook
         """An adapter was unregistered: forget its device copy (rows still running on it keep it until they
         finish). Called in the worker thread."""
