@@ -120,6 +120,8 @@ class LoraStack:
                     b.permute(0, 2, 1, 3).reshape(n, b.shape[2], k * width).transpose(1, 2).contiguous(),
                 )
             self._gathered = (key, gathered)
+        if active.size == 1 and on.all():  # every token on one adapter (e.g. a single stream): nothing to mask
+            return LoraStep(self._gathered[1], None, 1)
         local = np.searchsorted(active, np.where(on, token_slots, active[0]))
         one_hot = torch.zeros(token_slots.shape[0], active.size, dtype=self.a["qkv"].dtype)
         one_hot[torch.from_numpy(np.flatnonzero(on)), torch.from_numpy(local[on])] = 1
@@ -130,16 +132,17 @@ class LoraStep:
     """One forward's adapters, shared by all layers (``AttentionMetadata.lora``)."""
 
     def __init__(
-        self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], one_hot: torch.Tensor, num_adapters: int
+        self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], one_hot: torch.Tensor | None, num_adapters: int
     ) -> None:
         self.weights = weights
-        self.one_hot = one_hot  # (T, K)
+        self.one_hot = one_hot  # (T, K); None when every token runs the one adapter
         self.num_adapters = num_adapters
 
     def add(self, out: torch.Tensor, layer: int, linear: str, x: torch.Tensor) -> torch.Tensor:
         """``out + sum over each token's adapter of B (A x)``, for ``linear`` of ``layer``; out-of-place."""
         a, b = self.weights[linear]
         buf = x @ a[layer]  # shrink: (T, K*S*r)
-        t = buf.shape[0]
-        buf = (buf.view(t, self.num_adapters, -1) * self.one_hot[:t, :, None]).view(t, -1)
+        if self.one_hot is not None:
+            t = buf.shape[0]
+            buf = (buf.view(t, self.num_adapters, -1) * self.one_hot[:t, :, None]).view(t, -1)
         return torch.addmm(out, buf, b[layer])  # expand

@@ -125,6 +125,7 @@ def test_fused_cpu_decode_falls_back_when_an_adapter_row_is_in_the_step(
         assert meta.lora is not None
         assert not fused.accepts(tokens, meta, runner.kv_cache)
     assert stack.step(np.array([-1, -1])) is None  # no adapter token: no LoRA work at all
+    assert stack.step(np.array([slot, slot])).one_hot is None  # one adapter for every token: no masking
 
 
 def test_lora_requests_info_metric(adapters: dict[str, Path]) -> None:
