@@ -6,7 +6,8 @@
 Workloads (greedy, ignore_eos, on the engine core):
 - batch: 32 concurrent requests spread over 4 adapters and the base model (round-robin) against 32 on the
   base model alone: output tok/s (all generated tokens over the wall/CPU time of the run);
-- single: one stream, requests one after another, with an adapter against the base model: decode tok/s.
+- single: one stream, requests one after another, with an adapter against the base model: output tok/s
+  (prefill included, as a client sees it).
 Adapters are made here with ``peft`` on the model's own weights (rank --rank, every q/k/v/o/gate/up/down
 projection, seeded non-zero B); nothing is downloaded. Configurations are interleaved per repeat so
 background load hits them alike; medians are reported with their ratio to the base model in the same run.

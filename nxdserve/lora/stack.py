@@ -139,10 +139,11 @@ class LoraStep:
         self.num_adapters = num_adapters
 
     def add(self, out: torch.Tensor, layer: int, linear: str, x: torch.Tensor) -> torch.Tensor:
-        """``out + sum over each token's adapter of B (A x)``, for ``linear`` of ``layer``; out-of-place."""
+        """``out += B (A x)`` with each token's own adapter, for ``linear`` of ``layer``. ``out`` must be a fresh
+        tensor (a linear's output): it is updated in place and returned."""
         a, b = self.weights[linear]
         buf = x @ a[layer]  # shrink: (T, K*S*r)
         if self.one_hot is not None:
             t = buf.shape[0]
             buf = (buf.view(t, self.num_adapters, -1) * self.one_hot[:t, :, None]).view(t, -1)
-        return torch.addmm(out, buf, b[layer])  # expand
+        return out.addmm_(buf, b[layer])  # expand
