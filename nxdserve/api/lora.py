@@ -69,6 +69,10 @@ async def unload_lora_adapter(request: Request) -> Response:
     if unknown:
         raise APIError(f"Unknown field(s) {unknown}.", param=unknown[0])
     name = _field(body, "lora_name", str)
+    int_id = _field(body, "lora_int_id", int, required=False)
+    known = next((r for r in state.engine.list_loras() if r.lora_name == name), None)
+    if int_id is not None and known is not None and known.lora_int_id != int_id:
+        raise APIError(f"LoRA adapter '{name}' has lora_int_id {known.lora_int_id}, not {int_id}.", param="lora_int_id")
     await state.engine.remove_lora(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -29,7 +29,14 @@ from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
 from nxdserve.engine.step import RequestUpdate, StepResult
-from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTooLongError
+from nxdserve.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    LoRAAdapterError,
+    QueueFullError,
+    RequestTooLongError,
+)
 from nxdserve.lora.adapter import LoraAdapter
 from nxdserve.lora.registry import LoraRegistry
 from nxdserve.sampling_params import SamplingParams
@@ -187,9 +194,12 @@ class EngineCore:
         self.lora: LoraRegistry | None = None  # adapters served (--enable-lora)
         if config.enable_lora:
             spec = backend.lora_model_spec()
-            self.lora = LoraRegistry(
-                spec, config.max_loras, config.max_lora_rank, config.max_cpu_loras, check=backend.check_lora
-            )
+            try:
+                self.lora = LoraRegistry(
+                    spec, config.max_loras, config.max_lora_rank, config.max_cpu_loras, check=backend.check_lora
+                )
+            except LoRAAdapterError as exc:  # a start-up setting, not a request's fault
+                raise ConfigError(exc.message) from exc
         self.outputs = OutputProcessor(tokenizer)
         self.metrics = metrics
         self.timings = StepTimings()

@@ -95,6 +95,8 @@ async def test_runtime_load_use_unload(server: BackgroundServer, adapters: dict[
         assert ids["a2"] == "base"  # no base_model_name given: the first served name
         a2 = await _complete(client, "a2")
         assert a2 != await _complete(client, "a1")
+        wrong = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a2", "lora_int_id": 99})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "lora_int_id"
         r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"})
         assert r.status_code == 200
         with pytest.raises(openai.NotFoundError):

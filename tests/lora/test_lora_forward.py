@@ -188,3 +188,12 @@ def test_speculation_verifies_with_the_adapter(adapters: dict[str, Path]) -> Non
         core.backend.execute = counting  # type: ignore[method-assign]
         assert _run(core, jobs) == expected
         assert sum(drafts) > 0  # drafts were verified, not skipped
+
+
+def test_bad_lora_settings_are_config_errors() -> None:
+    from nxdserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_lora_rank 7"):
+        _core(max_lora_rank=7)
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        _core(max_loras=2, max_cpu_loras=1)
