@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         QueueFullError,
         RequestTooLongError,
     )
+    from nxdserve.lora.request import LoRARequest
     from nxdserve.sampling_params import OutputKind, SamplingParams
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ _EXPORTS = {
     "EngineConfig": "nxdserve.config",
     "EngineDeadError": "nxdserve.errors",
     "InvalidRequestError": "nxdserve.errors",
+    "LoRARequest": "nxdserve.lora.request",
     "NxdServeError": "nxdserve.errors",
     "OutputKind": "nxdserve.sampling_params",
     "QueueFullError": "nxdserve.errors",
@@ -49,6 +51,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "InvalidRequestError",
+    "LoRARequest",
     "NxdServeError",
     "OutputKind",
     "QueueFullError",

@@ -27,6 +27,7 @@ from nxdserve.config import EngineConfig
 from nxdserve.cpu_options import add_cpu_arguments, cpu_options_from_args, set_openmp_wait_policy
 from nxdserve.engine.dp.args import add_data_parallel_args, apply_data_parallel_args
 from nxdserve.errors import ConfigError
+from nxdserve.lora.request import LoRARequest
 from nxdserve.tools.flags import add_chat_arguments, chat_config_kwargs
 
 if TYPE_CHECKING:  # the server stack is imported only when serving, so `nxdserve bench` starts fast
@@ -120,7 +121,33 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu=cpu_options_from_args(args),
         **chat_config_kwargs(args),  # issue 27
         quantization=args.quantization,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras or 1,
+        max_lora_rank=args.max_lora_rank or 16,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=_lora_modules(args),
     )
+
+
+def _lora_modules(args: argparse.Namespace) -> list[LoRARequest]:
+    """--lora-modules as vLLM parses it: ``name=path`` or a JSON object; ids 1, 2, ... in order."""
+    modules = []
+    for i, item in enumerate(args.lora_modules or [], start=1):
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"--lora-modules: {item!r} is not a JSON object with name and path") from exc
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules: {item!r} is neither name=path nor a JSON object")
+            base = None
+        modules.append(LoRARequest(name, i, path, base))
+    if modules and not args.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    return modules
 
 
 def _neuron_overrides(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -74,6 +74,13 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     disable_log_stats: bool = False
+    # LoRA (vLLM's LoRAConfig): adapters resident in the forward's buffers, their maximum rank, and how many
+    # stay loaded on the host (None: max_loras), least recently used evicted first.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[Any] = field(default_factory=list)  # nxdserve.lora.LoRARequest, loaded at start
     cpu: CpuOptions = field(default_factory=CpuOptions)  # the torch backend's CPU switches (--cpu-* flags)
     # -- chat templates, tool calling, reasoning, structured outputs (issue 27; flags: nxdserve/tools/flags.py) --
     chat_template: str | None = None  # a file path or inline Jinja; None: the tokenizer's own

@@ -34,3 +34,16 @@ class RequestFailedError(NxdServeError):
 
 class ConfigError(NxdServeError, ValueError):
     """An engine configuration that cannot work; raised at startup."""
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served with this base model or these limits (HTTP 400)."""
+
+
+class LoRANotFoundError(NxdServeError):
+    """A request or an unload named an adapter the engine does not know (HTTP 404)."""
+
+    def __init__(self, message: str, param: str | None = "model") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param

@@ -20,6 +20,9 @@ from starlette.routing import Route
 from nxdserve.api.chat import create_chat_completion, render_prompt
 from nxdserve.api.completions import create_completion
 from nxdserve.api.errors import APIError, handle_exception
+from nxdserve.api.lora import RUNTIME_ROUTES as LORA_RUNTIME_ROUTES
+from nxdserve.api.lora import adapter_cards
+from nxdserve.api.lora import runtime_updates_allowed as runtime_lora_updates_allowed
 from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware, load_user_middleware
 from nxdserve.api.multimodal import MediaOptions
 from nxdserve.api.openapi import openapi_schema
@@ -82,6 +85,7 @@ async def list_models(request: Request) -> Response:
         )
         for name in state.served_model_names
     ]
+    cards += adapter_cards(state)
     return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
 
@@ -173,7 +177,9 @@ def create_app(
     if api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
     app = Starlette(
-        routes=ROUTES + (DOCS_ROUTES if opts is None or opts.enable_docs else []),
+        routes=ROUTES
+        + (DOCS_ROUTES if opts is None or opts.enable_docs else [])
+        + (LORA_RUNTIME_ROUTES if runtime_lora_updates_allowed() else []),
         middleware=middleware,
         # Known failures go to ExceptionMiddleware (answered, not re-raised); ``Exception`` goes to
         # ServerErrorMiddleware, which answers a 500 in the envelope and re-raises so it is logged.

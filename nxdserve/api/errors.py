@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from nxdserve.errors import (
     EngineDeadError,
     InvalidRequestError,
+    LoRANotFoundError,
     QueueFullError,
     RequestFailedError,
 )
@@ -94,6 +95,8 @@ def from_exception(exc: BaseException) -> APIError:
         return format_validation_error(exc)
     if isinstance(exc, InvalidRequestError):  # RequestTooLongError included
         return APIError(exc.message, status=400, param=exc.param)
+    if isinstance(exc, LoRANotFoundError):
+        return APIError(exc.message, status=404, param=exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(
             str(exc) or "The server is at capacity; retry later.",

@@ -33,6 +33,7 @@ class EngineCall:
     params: SamplingParams
     request_id: str
     add_special_tokens: bool = True
+    lora_request: Any = None  # nxdserve.lora.LoRARequest when the request's model names an adapter
 
 
 def start_requests(engine: Any, calls: Sequence[EngineCall]) -> list[RequestStream]:
@@ -47,6 +48,7 @@ def start_requests(engine: Any, calls: Sequence[EngineCall]) -> list[RequestStre
                     call.params,
                     request_id=call.request_id,
                     add_special_tokens=call.add_special_tokens,
+                    **({} if call.lora_request is None else {"lora_request": call.lora_request}),
                 )
             )
     except BaseException:

@@ -51,12 +51,19 @@ class ServerState:
         return int(self.engine.config.max_logprobs)
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to echo in responses; 404 for a name this server does not serve."""
+        """The name to echo in responses (a served name or a LoRA adapter's); 404 for one not served."""
         if requested is None or requested == "":
             return self.model_name
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and self.lora_for(requested) is None:
             raise model_not_found(requested)
         return requested
+
+    def lora_for(self, model: str) -> Any:
+        """The registered ``LoRARequest`` a request's ``model`` names, or None for the base model."""
+        if model in self.served_model_names:
+            return None
+        list_loras = getattr(self.engine, "list_loras", None)
+        return next((r for r in list_loras() if r.lora_name == model), None) if list_loras else None
 
 
 def get_state(request: Request) -> ServerState:

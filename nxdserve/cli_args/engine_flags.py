@@ -161,13 +161,15 @@ def add_multimodal_and_lora_flags(p: ServeParser) -> None:
     g.no_effect("--interleave-mm-strings", action=BOOL, default=False, note="text models only")
     g.no_effect("--skip-mm-profiling", action=BOOL, default=False, note="text models only")
 
-    g = p.flag_group("LoRAConfig", "LoRA adapters (not available yet)")
-    g.not_yet("--enable-lora", action=BOOL, default=False, note=LORA)
-    g.not_yet("--max-loras", type=int, default=None, note=LORA)
-    g.not_yet("--max-lora-rank", type=int, default=None, note=LORA)
+    g = p.flag_group("LoRAConfig", "LoRA adapters (PEFT format), mixed with base-model rows in every batch")
+    g.add("--enable-lora", action=BOOL, default=False, note="serve LoRA adapters (--lora-modules, or added later)")
+    g.add("--max-loras", type=int, default=None, note="adapters in one batch (the forward's buffer slots; default 1)")
+    g.add("--max-lora-rank", type=int, default=None,
+          note="largest adapter rank: one of 1, 8, 16, 32, 64, 128, 256, 320, 512 (default 16)")
     g.not_yet("--lora-extra-vocab-size", type=int, default=None, note=LORA)
     g.not_yet("--lora-dtype", default="auto", note=LORA)
-    g.not_yet("--max-cpu-loras", type=int, default=None, note=LORA)
+    g.add("--max-cpu-loras", type=int, default=None,
+          note="adapters kept in host memory, least recently used evicted first (default --max-loras)")
     g.not_yet("--fully-sharded-loras", action=BOOL, default=False, note=LORA)
     g.not_yet("--default-mm-loras", type=json_object, default=None, note=LORA)
 

@@ -29,8 +29,8 @@ def add_frontend_flags(p: ServeParser) -> None:
     g.add("--allowed-headers", type=json_list, default=["*"], note="CORS headers, a JSON list")
     g.add("--api-key", nargs="+", default=None,
           note=f"require one of these bearer keys on /v1/* (or ${API_KEY_ENVS[0]}, ${API_KEY_ENVS[1]})")
-    g.not_yet("--lora-modules", nargs="+", default=None,
-              note="LoRA adapters are tracked in their own issue; merge the adapter into the weights for now.")
+    g.add("--lora-modules", nargs="+", default=None,
+          note='LoRA adapters served at start: name=path, or JSON {"name","path","base_model_name"} (--enable-lora)')
     g.refused("--response-role", default="assistant", note="responses use the role 'assistant'")
     g.add("--ssl-keyfile", default=None, note="TLS private key file (PEM)")
     g.add("--ssl-certfile", default=None, note="TLS certificate chain file (PEM)")

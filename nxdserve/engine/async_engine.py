@@ -23,7 +23,9 @@ from nxdserve.engine.core import (
 )
 from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.prompts import PromptInput, parse_prompt
+from nxdserve.engine.request import Request
 from nxdserve.errors import EngineDeadError, InvalidRequestError
+from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import OutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class AsyncEngine:
         self._forward_started: asyncio.Future[None] | None = None
         self._forward: asyncio.Future[Any] | None = None  # the last forward started in the worker thread
         self.chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
+        self._lora_loads: set[asyncio.Task[None]] = set()  # requests waiting for their adapter's weights
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -126,6 +129,8 @@ class AsyncEngine:
         from nxdserve.tools.flags import read_chat_template
 
         self.chat_template = read_chat_template(self.config.chat_template)
+        for lora_request in self.config.lora_modules:  # --lora-modules
+            await self.add_lora(lora_request)
         self._accepting = True
         self.core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
         self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
@@ -244,8 +249,11 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate and enqueue now; raises a typed error instead of returning a stream."""
+        """Validate and enqueue now; raises a typed error instead of returning a stream. With ``lora_request``
+        (registered on first use, as vLLM does), a request whose adapter's weights are not in host memory is
+        enqueued once a worker thread has read them."""
         if self.dead_error is not None or (self._loop_task is not None and self._loop_task.done()):
             raise EngineDeadError(f"the engine loop is dead: {self.dead_error}")
         if not self._accepting:
@@ -263,12 +271,64 @@ class AsyncEngine:
             token_ids = self.encode(prompt_text, add_special_tokens) if prompt_text else []
         if request_id is not None and request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
+        registry = core.lora
+        if lora_request is not None and registry is None:
+            raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="model")
         request = core.make_request(token_ids, params, request_id)
         stream = RequestStream(self, request.request_id, params.output_kind is OutputKind.DELTA)
         self._streams[request.request_id] = stream
-        core.add_request(request, prompt_text)
+        if lora_request is None:
+            core.add_request(request, prompt_text)
+        else:
+            assert registry is not None
+            name = lora_request.lora_name
+            if registry.requests.get(name) == lora_request and registry.is_loaded(name):
+                request.lora = registry.resolve(name)  # in host memory: no I/O
+                core.add_request(request, prompt_text)
+            else:
+                task = asyncio.create_task(self._add_after_lora_load(request, prompt_text, lora_request, stream))
+                self._lora_loads.add(task)
+                task.add_done_callback(self._lora_loads.discard)
         self._wakeup.set()
         return stream
+
+    async def _add_after_lora_load(
+        self, request: Request, prompt: str | None, lora_request: LoRARequest, stream: RequestStream
+    ) -> None:
+        registry = self._core.lora
+        assert registry is not None
+        try:
+            request.lora = await asyncio.to_thread(registry.ensure, lora_request)
+        except Exception as exc:  # the adapter's files went bad since it was registered: this request only
+            if self._streams.pop(request.request_id, None) is not None:
+                stream.put(exc)
+            return
+        if request.request_id in self._streams:  # not aborted while its adapter loaded
+            self._core.add_request(request, prompt)
+            self._wakeup.set()
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register and load an adapter (in a worker thread); LoRAAdapterError if it cannot be served."""
+        registry = self._core.lora
+        if registry is None:
+            raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="lora_name")
+        await asyncio.to_thread(registry.load, lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter. Requests already admitted with it run to the end on its buffers; LoRANotFound
+        for an unknown name."""
+        registry = self._core.lora
+        if registry is None:
+            raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="lora_name")
+        removed = registry.unload(lora_name)
+        loop = asyncio.get_running_loop()
+        # In the model thread, between steps: the backend's buffer bookkeeping is that thread's.
+        await loop.run_in_executor(self._executor, self._core.backend.drop_lora, removed.lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        registry = self.core.lora if self.core is not None else None
+        return [] if registry is None else list(registry.requests.values())
 
     async def generate(
         self,
@@ -276,10 +336,11 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         await self.prepare(params)
-        stream = self.add_request(prompt, params, request_id, add_special_tokens)
+        stream = self.add_request(prompt, params, request_id, add_special_tokens, lora_request)
         try:
             async for out in stream:
                 yield out

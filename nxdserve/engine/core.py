@@ -31,7 +31,16 @@ from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.request import Request, RequestStatus
 from nxdserve.engine.step import RequestUpdate, StepResult
 from nxdserve.engine.structured import GrammarCompiler, StructuredOutputManager
-from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTooLongError
+from nxdserve.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    LoRAAdapterError,
+    QueueFullError,
+    RequestTooLongError,
+)
+from nxdserve.lora.adapter import LoraAdapter
+from nxdserve.lora.registry import LoraRegistry
 from nxdserve.sampling_params import SamplingParams
 from nxdserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
@@ -184,6 +193,15 @@ class EngineCore:
         self.num_slots = min(config.max_num_seqs, caps.max_num_seqs)
         backend.bind(self.num_slots, self.max_model_len, max_spec)  # the backend creates and owns the batch
         self.scheduler = Scheduler(config, caps)
+        self.lora: LoraRegistry | None = None  # adapters served (--enable-lora)
+        if config.enable_lora:
+            spec = backend.lora_model_spec()
+            try:
+                self.lora = LoraRegistry(
+                    spec, config.max_loras, config.max_lora_rank, config.max_cpu_loras, check=backend.check_lora
+                )
+            except LoRAAdapterError as exc:  # a start-up setting, not a request's fault
+                raise ConfigError(exc.message) from exc
         self.outputs = OutputProcessor(tokenizer)
         # Structured outputs (nxdserve.engine.structured): grammars compile on first use, per request.
         self.structured = StructuredOutputManager(GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids))
@@ -198,9 +216,16 @@ class EngineCore:
 
     # -- admission ---------------------------------------------------------------------------------
     def make_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: LoraAdapter | None = None,
     ) -> Request:
-        """Validate everything that can be known before the request runs; raise a typed error."""
+        """Validate everything that can be known before the request runs; raise a typed error. ``lora``: the
+        adapter's host weights (``self.lora.resolve(name)``)."""
+        if lora is not None and self.lora is None:
+            raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="model")
         if request_id is None:
             request_id = uuid.uuid4().hex
         if request_id in self.scheduler.requests:
@@ -247,7 +272,9 @@ class EngineCore:
             raise QueueFullError(
                 f"The waiting queue is full ({self.config.max_waiting} requests); retry later."
             )
-        return Request(request_id, list(prompt_token_ids), params, max_tokens, self.eos_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens, self.eos_token_ids)
+        request.lora = lora
+        return request
 
     def add_request(self, request: Request, prompt: str | None = None) -> None:
         self.outputs.add_request(request, prompt)
@@ -353,6 +380,8 @@ class EngineCore:
             )
             if sched.num_prefix_queried_tokens:
                 self.metrics.record_prefix_cache(sched.num_prefix_queried_tokens, sched.num_prefix_cached_tokens)
+            if self.lora is not None:
+                self.metrics.record_lora(*self.scheduler.adapter_names(), self.lora.max_loras)
         tm.process += time.perf_counter() - t0
         return StepUpdates(updates, result)
 

@@ -84,6 +84,8 @@ class EngineMetrics:
         self._iteration_tokens, self._ttft, self._itl = (self.iteration_tokens.labels(m), self.ttft.labels(m),
                                                          self.itl.labels(m))
         self._e2e, self._queue_time = self.e2e.labels(m), self.queue_time.labels(m)
+        self.lora_info: Gauge | None = None  # created by the first record_lora (engines with --enable-lora)
+        self._lora_key: tuple[str, str, str] | None = None
 
     def record_step(self, num_running: int, num_waiting: int, kv_usage: float, num_prefill: int,
                     num_generated: int, num_scheduled: int) -> None:
@@ -96,6 +98,21 @@ class EngineMetrics:
             self._generation_tokens.inc(num_generated)
         if num_scheduled:
             self._iteration_tokens.observe(num_scheduled)
+
+    def record_lora(self, running: list[str], waiting: list[str], max_lora: int) -> None:
+        """vLLM's ``vllm:lora_requests_info``: a gauge set to the current time under labels naming the running
+        and waiting adapters (comma-joined) and max_lora. Only the latest label set is kept (vLLM keeps every
+        set it has seen; one series per scrape is what dashboards read)."""
+        if self.lora_info is None:
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry,
+            )  # fmt: skip
+        key = (str(max_lora), ",".join(waiting), ",".join(running))
+        if self._lora_key is not None and self._lora_key != key:
+            self.lora_info.remove(*self._lora_key)
+        self._lora_key = key
+        self.lora_info.labels(*key).set_to_current_time()
 
     def record_prefix_cache(self, num_queried: int, num_hits: int) -> None:
         self.prefix_cache_queries.labels(self._model).inc(num_queried)

@@ -45,6 +45,8 @@ class PersistentBatch:
         self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(s)]
         self.logit_bias: list[dict[int, float] | None] = [None] * s
         self.generators: list[torch.Generator | None] = [None] * s
+        # LoRA: the adapter buffer slot each row's tokens use (written by a LoRA-enabled backend), -1: base.
+        self.lora_slot = np.full(s, -1, dtype=np.int64)
         # Bumped whenever a slot is added or removed; backends cache derived tensors against it.
         self.version = 0
 
@@ -92,6 +94,7 @@ class PersistentBatch:
         self.num_prompt_tokens[slot] = n
         self.active[slot] = True
         self.request_ids[slot] = request_id
+        self.lora_slot[slot] = -1
         self.temperature[slot] = 0.0 if params.is_greedy else params.temperature
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
@@ -117,6 +120,7 @@ class PersistentBatch:
         self.generators[slot] = None
         self.logit_bias[slot] = None
         self.min_tokens_stop_ids[slot] = []
+        self.lora_slot[slot] = -1
         self.version += 1
 
     def append(self, slot: int, token_ids: list[int]) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from nxdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nxdserve.lora.adapter import LoraAdapter
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,6 +39,7 @@ class Request:
         "arrival_time",
         "eos_token_ids",
         "first_scheduled_time",
+        "lora",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -75,6 +80,11 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens whose KV its slot already held at admission (prefix caching)
         self.slot: int | None = None
         self.stop_reason: int | str | None = None
+        self.lora: LoraAdapter | None = None  # the adapter it runs with (host weights); None: the base model
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.name
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from nxdserve.engine.request import Request
     from nxdserve.engine.structured.mask import StepTokenMask
+    from nxdserve.lora.adapter import LoraAdapter
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class NewRequest:
     params: SamplingParams
     # Ids masked until min_tokens outputs exist (eos + stop_token_ids); empty without min_tokens.
     min_tokens_stop_ids: list[int]
+    # The LoRA adapter the request runs with (nxdserve.lora.adapter.LoraAdapter, host weights); None: base.
+    lora: LoraAdapter | None = None
 
 
 @dataclass

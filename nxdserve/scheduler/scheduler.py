@@ -95,6 +95,9 @@ class Scheduler:
                 else "the backend cannot start a prompt mid-slot",
             )
         self._resident: dict[int, np.ndarray] = {}  # free slot -> the tokens whose KV its line still holds
+        self._resident_lora: dict[int, str | None] = {}  # free slot -> the adapter that KV was computed with
+        # LoRA: at most this many distinct adapters among running requests (the forward's buffer slots).
+        self.max_loras = config.max_loras if config.enable_lora else 0
         self._freed_at: dict[int, int] = {}  # free slot -> when it was freed (a counter), for the choice above
         self._frees = 0
         self._queried_since_plan = 0
@@ -144,6 +147,7 @@ class Scheduler:
         held = (request.prompt_token_ids + request.output_token_ids)[: request.num_computed_tokens]
         if held and request.status != RequestStatus.FINISHED_ERROR:
             self._resident[slot] = np.asarray(held, dtype=np.int64)
+            self._resident_lora[slot] = request.lora_name  # KV computed with an adapter is that adapter's
         else:
             self._resident.pop(slot, None)
 
@@ -156,13 +160,27 @@ class Scheduler:
             prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
             for slot in self._free_slots:
                 held = self._resident.get(slot)
-                if held is not None and held[0] == prompt[0]:
+                if held is not None and held[0] == prompt[0] and self._resident_lora.get(slot) == request.lora_name:
                     n = _common_prefix_len(held, prompt)
                     if n > best_len:
                         best, best_len = slot, n
         if best < 0:  # keep what other slots hold: one that holds nothing, else the longest free
             best = min(self._free_slots, key=lambda s: (s in self._resident, self._freed_at.get(s, 0), s))
         return best, min(best_len, request.num_prompt_tokens - 1)
+
+    def adapter_names(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) LoRA adapters, sorted: the labels of vllm:lora_requests_info."""
+        running = {r.lora_name for r in self.running if r.lora is not None}
+        waiting = {r.lora_name for r in self.waiting if r.lora is not None}
+        return sorted(running), sorted(waiting)  # type: ignore[arg-type]
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Admitting ``request`` keeps the running adapters within ``max_loras``."""
+        name = request.lora_name
+        if name is None:
+            return True
+        running = {r.lora_name for r in self.running if r.lora is not None}
+        return name in running or len(running) < self.max_loras
 
     def _admit(self, request: Request, slot: int, cached: int) -> None:
         if slot == self._free_slots[0]:
@@ -180,6 +198,7 @@ class Scheduler:
         request.first_scheduled_time = time.monotonic()
         self._new_since_plan.append(NewRequest(
             slot, request.request_id, request.prompt_token_ids, request.params, request.stop_ids_for_min_tokens(),
+            lora=request.lora,
         ))  # fmt: skip
         self.running.append(request)
 
@@ -237,6 +256,9 @@ class Scheduler:
         overflow = self.whole_prompt_overflow
         while self.waiting and budget + overflow > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
+            if not self._lora_fits(request):  # vLLM too defers it and lets later requests go ahead
+                skipped.append(request)
+                continue
             slot, cached = self._pick_slot(request)
             num_new = self._tokens_to_run(request, max(budget, 0), cached)
             whole = self._tokens_to_run(request, self.token_budget, cached)
@@ -270,6 +292,8 @@ class Scheduler:
                 if self.max_prefills_per_step is not None and len(rows) >= self.max_prefills_per_step:
                     break
                 request = self.waiting[0]
+                if not self._lora_fits(request):
+                    break  # strict head-of-line, as for the token budget
                 slot, cached = self._pick_slot(request)
                 need = request.num_prompt_tokens - cached
                 if need > budget:

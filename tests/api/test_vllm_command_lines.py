@@ -100,6 +100,8 @@ STARTS = [
     "python -m vllm.entrypoints.openai.api_server --model meta-llama/Llama-3.1-8B-Instruct --max-num-seqs 4 "
     "--max-model-len 128 --tensor-parallel-size 32 --port 8080 --device neuron "
     "--override-neuron-config '{\"enable_bucketing\": false}'",
+    # 17. docs.vllm.ai, Features > LoRA adapters (serving section)
+    "vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/tmp/sql-lora",
     # 20. docs.vllm.ai, Features > Multimodal inputs (online serving): "--limit-mm-per-prompt '{\"image\": 2}'"
     "vllm serve Qwen/Qwen2.5-VL-3B-Instruct --limit-mm-per-prompt '{\"image\": 2}'",
     # docs.vllm.ai, Features > Quantization > FP8 W8A8 (issue 29: weight-only fp8 online on the torch backend)
@@ -146,6 +148,9 @@ def test_plans_hold_what_the_lines_say(hub_cache: Path) -> None:
     assert cfg.override_neuron_config == {"enable_bucketing": False}
     _, opts, _ = plan(STARTS[-2])
     assert opts.media.limit_per_prompt == {"image": 2} and opts.media.allowed_media_domains == ()  # type: ignore[attr-defined]
+    cfg, _, _ = plan(STARTS[13])
+    assert cfg.enable_lora and (cfg.max_loras, cfg.max_lora_rank) == (1, 16)
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in cfg.lora_modules] == [("sql-lora", 1, "/tmp/sql-lora")]
 
 
 # Lines that must fail at once: (command, words the message must hold).
@@ -156,9 +161,6 @@ FAILS = [
      ["--pipeline-parallel-size 2", "--tensor-parallel-size"]),
     # 16. docs.vllm.ai, Features > Quantization > Quantized KV cache ("--kv-cache-dtype fp8")
     ("vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8", ["--kv-cache-dtype 'fp8'", "use auto"]),
-    # 17. docs.vllm.ai, Features > LoRA adapters (serving section)
-    ("vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/tmp/sql-lora",
-     ["--enable-lora", "LoRA", "not available"]),
     # 18. Mistral model cards on Hugging Face: "--tokenizer_mode mistral --config_format mistral --load_format mistral"
     ("vllm serve mistralai/Mistral-7B-Instruct-v0.3 --tokenizer_mode mistral --config_format mistral "
      "--load_format mistral", ["--tokenizer-mode 'mistral'", "drop the flag"]),
@@ -169,7 +171,7 @@ FAILS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("command", "words"), FAILS, ids=[f"line{14 + i}" for i in range(len(FAILS))])
+@pytest.mark.parametrize(("command", "words"), FAILS, ids=[f"line{15 + i}" for i in range(len(FAILS))])
 def test_unsupported_lines_fail_at_once_saying_why(hub_cache: Path, command: str, words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
         plan(command)

@@ -76,3 +76,10 @@ def test_metrics_of_every_engine_in_one_exposition() -> None:
     assert 'vllm:num_requests_running{engine="1",model_name="m"} 1.0' in text
     assert 'vllm:generation_tokens_total{engine="1",model_name="m"} 7.0' in text
     assert text.count("# TYPE vllm:generation_tokens_total counter") == 1  # one family, a series per engine
+
+
+def test_lora_with_data_parallel_is_refused_at_start_up() -> None:
+    from nxdserve.cli import plan as plan_command_line
+
+    with pytest.raises(ConfigError, match="--enable-lora with --data-parallel-size"):
+        plan_command_line(["--data-parallel-size", "2", "--enable-lora", "--lora-modules", "a=/tmp/a"])

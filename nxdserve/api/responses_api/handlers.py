@@ -71,7 +71,8 @@ async def create_response(request: Request) -> Response:
         user=req.user,
     )
     view = _ResponsesView(state, skeleton, turn, message_id=f"msg_{uuid.uuid4().hex}")
-    return await respond(request, engine, [EngineCall(prompt, params, request_id, False)], view, bool(req.stream))
+    call = EngineCall(prompt, params, request_id, False, state.lora_for(model))
+    return await respond(request, engine, [call], view, bool(req.stream))
 
 
 async def retrieve_response(request: Request) -> Response:

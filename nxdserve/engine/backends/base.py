@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 
+from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.step import (
     BackendCapabilities,
@@ -21,6 +22,7 @@ from nxdserve.engine.step import (
     StepPlan,
     StepResult,
 )
+from nxdserve.errors import ConfigError
 from nxdserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -77,6 +79,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult:
         """One step: ``begin_step(plan)``, the forward and sampling, ``end_step(plan, result)``."""
+
+    def lora_model_spec(self) -> ModelSpec:
+        """The base model's shapes, which LoRA adapters are checked against; backends that run adapters
+        override this (and read ``NewRequest.lora``)."""
+        raise ConfigError(f"the {type(self).__name__} cannot run LoRA adapters")
+
+    def check_lora(self, name: str, path: str) -> None:  # noqa: B027 - optional hook
+        """Raise LoRAAdapterError for an adapter this backend cannot serve (checked when it is registered)."""
+
+    def drop_lora(self, lora_int_id: int) -> None:  # noqa: B027 - optional hook
+        """An adapter was unregistered: forget its device copy (rows still running on it keep it until they
+        finish). Called in the worker thread."""
 
     def validate_request(self, params: SamplingParams) -> None:  # noqa: B027 - optional hook
         """Raise InvalidRequestError for parameters this backend cannot honour (checked at admission)."""

@@ -26,11 +26,13 @@ from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.models import SlotModelRunner, cpu_setup, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
 from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
+from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.sampler import accept_greedy
 from nxdserve.engine.step import BackendCapabilities, LogprobsBlock, StepPlan, StepResult
 from nxdserve.engine.structured.mask import TokenMask
 from nxdserve.errors import ConfigError
+from nxdserve.lora.stack import LoraStack
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +122,24 @@ class TorchBackend(Backend):
             draft_alternatives=True,
             eos_token_ids=_eos_token_ids(model_path),
         )
+        # Multi-LoRA: the adapters' stacked buffers; each slot's adapter rides the persistent batch (lora_slot).
+        self.lora_stack = (
+            LoraStack(self.model.spec, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            if config.enable_lora
+            else None
+        )
         self._warm_up()
 
     @property
     def capabilities(self) -> BackendCapabilities:
         return self._capabilities
+
+    def lora_model_spec(self) -> ModelSpec:
+        return self.model.spec
+
+    def drop_lora(self, lora_int_id: int) -> None:
+        if self.lora_stack is not None:
+            self.lora_stack.evict(lora_int_id)
 
     def check_batch_size(self, max_num_seqs: int, max_model_len: int) -> None:
         if max_num_seqs > self.runner.num_slots or max_model_len > self.runner.max_len:
@@ -148,6 +163,8 @@ class TorchBackend(Backend):
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         batch = self.begin_step(plan)
+        if self.lora_stack is not None:
+            self._place_adapters(plan, batch, self.lora_stack)
         rows = _Rows.from_plan(plan)
         if rows.num_rows == 0:
             return StepResult(np.full((0, 1), -1, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -157,6 +174,12 @@ class TorchBackend(Backend):
         alts = _Alternatives.from_plan(plan, rows, batch, self.device)
         if alts is not None:
             token_ids = torch.cat((token_ids, torch.from_numpy(alts.token_ids)))
+        lora = None
+        if self.lora_stack is not None:
+            token_slots = rows.slots[token_row] if alts is None else np.concatenate(
+                (rows.slots[token_row], rows.slots[alts.row])
+            )
+            lora = self.lora_stack.step(batch.lora_slot[token_slots])
 
         t1 = time.perf_counter()
         governor = self.thread_governor
@@ -178,7 +201,7 @@ class TorchBackend(Backend):
         hidden = self.runner.run(
             token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit,
             alts=None if alts is None else alts.forward, keep=sampled_positions if only_sampled else None,
-            on_compute=self.forward_started,
+            on_compute=self.forward_started, lora=lora,
         )  # fmt: skip
         sampled_hidden = hidden if only_sampled else hidden[sampled_positions.to(self.device)]
         alt_logits = None
@@ -270,6 +293,14 @@ class TorchBackend(Backend):
             result.token_hidden_states = hidden
             result.token_offsets = rows.offsets
         return self.end_step(plan, result)
+
+    @staticmethod
+    def _place_adapters(plan: StepPlan, batch: PersistentBatch, stack: LoraStack) -> None:
+        """Point each new request's slot at its adapter's buffer slot, copying the adapter in if needed."""
+        for new in plan.new_requests:
+            if new.lora is not None:
+                in_use = set(batch.lora_slot[batch.active].tolist())
+                batch.lora_slot[new.slot] = stack.slot_for(new.lora, in_use)
 
     def _verify(
         self,

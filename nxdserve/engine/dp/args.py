@@ -44,4 +44,7 @@ def apply_data_parallel_args(config: EngineConfig, args: argparse.Namespace) -> 
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} is not supported: nxdserve's data parallel runs on one machine; across "
                               "machines use Kubernetes or Ray Serve replicas (docs/scale-out.md)")
+    if size > 1 and config.enable_lora:
+        raise ConfigError("--enable-lora with --data-parallel-size > 1 is not supported yet: each engine process "
+                          "would keep its own adapters; run one server per replica instead (docs/scale-out.md)")
     return dataclasses.replace(config, data_parallel_size=size)

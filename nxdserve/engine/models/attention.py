@@ -19,12 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from nxdserve.engine.models import cpu_kernels, huge_pages
+
+if TYPE_CHECKING:
+    from nxdserve.lora.stack import LoraStep
 
 DEFAULT_BATCHED_QUERY_LIMIT = 8
 
@@ -145,6 +149,8 @@ class AttentionMetadata:
     max_end: int = 0
     # Extra tokens after the rows' ``num_tokens`` (see DraftAlternatives); the forward runs both.
     alts: DraftAlternatives | None = None
+    # The step's LoRA adapters (nxdserve.lora.stack.LoraStep); None when no token runs an adapter.
+    lora: LoraStep | None = None
 
     @classmethod
     def build(

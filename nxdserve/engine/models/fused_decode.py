@@ -1,7 +1,10 @@
 """bf16 forward through the fused C decoder (``csrc/decode.c``): one call for all layers.
 
 ``FusedDecode.accepts`` decides per forward; anything it does not cover (fp32, more than ``MAX_TOKENS``
-tokens, q/k norms, activations other than SiLU, autograd) takes the layer-by-layer path.
+tokens, q/k norms, activations other than SiLU, autograd, a step with a LoRA adapter row) takes the
+layer-by-layer path. The C forward has no LoRA shrink/expand: steps whose rows all run the base model
+keep it, and a step with any adapter row runs the torch layers (whose fused elementwise kernels and
+packed GEMMs still apply) plus the grouped LoRA GEMMs of ``nxdserve/lora/stack.py``.
 Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M): see ``benchmarks/perf_notes.md``.
 ``CpuOptions.fused_decode`` turns it off (A/B measurements).
 """
@@ -92,6 +95,8 @@ class FusedDecode:
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
             and meta.use_kernel
+            # The C forward has no LoRA: a step with an adapter row takes the layer-by-layer path.
+            and meta.lora is None
             and not torch.is_grad_enabled()
             and available()
         )

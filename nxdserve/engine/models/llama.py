@@ -99,7 +99,11 @@ class DecoderLayer(nn.Module):
             return self._forward_fused(x, cos, sin, k_cache, v_cache, meta)
         s = self.spec
         t = x.shape[0]
-        qkv = linear(self.input_norm(x), self.qkv_weight, self.qkv_bias)
+        lora, i = meta.lora, self.index
+        h = self.input_norm(x)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            qkv = lora.add(qkv, i, "qkv", h)
         v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         if self.q_norm is None:
             # q and k rotate with the same tables: one call over both, split afterwards.
@@ -112,8 +116,16 @@ class DecoderLayer(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = self._attend(q, k, v, k_cache, v_cache, meta)
         x = linear(attn, self.o_weight, self.o_bias, residual=x)
-        gate, up = linear(self.post_norm(x), self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.down_weight, self.down_bias, residual=x)
+        if lora is not None:
+            x = lora.add(x, i, "o", attn)
+        h = self.post_norm(x)
+        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None:
+            gate_up = lora.add(gate_up, i, "gate_up", h)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = self.act(gate) * up
+        out = linear(act, self.down_weight, self.down_bias, residual=x)
+        return out if lora is None else lora.add(out, i, "down", act)
 
     def _attend(
         self,
@@ -160,17 +172,26 @@ class DecoderLayer(nn.Module):
         roundings. Measured: about 100 us less per layer at one token, 230 us at 32."""
         s = self.spec
         t = x.shape[0]
+        lora, i = meta.lora, self.index
         _, h = cpu_kernels.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            qkv = lora.add(qkv, i, "qkv", h)
         cpu_kernels.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, cos, sin)
         q = qkv[:, : s.q_size].view(t, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size : s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         attn = self._attend(q, k, v, k_cache, v_cache, meta)
         o = linear(attn, self.o_weight, self.o_bias)
+        if lora is not None:
+            o = lora.add(o, i, "o", attn)
         x, h = cpu_kernels.rms_norm(x, self.post_norm.weight, self.post_norm.eps, delta=o)
-        act = cpu_kernels.silu_mul(linear(h, self.gate_up_weight, self.gate_up_bias))
-        return linear(act, self.down_weight, self.down_bias, residual=x)
+        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None:
+            gate_up = lora.add(gate_up, i, "gate_up", h)
+        act = cpu_kernels.silu_mul(gate_up)
+        out = linear(act, self.down_weight, self.down_bias, residual=x)
+        return out if lora is None else lora.add(out, i, "down", act)
 
 
 class LlamaFamilyModel(nn.Module):

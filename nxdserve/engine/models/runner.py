@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from nxdserve.engine.models.attention import (
     SlotKVCache,
 )
 from nxdserve.engine.models.llama import LlamaFamilyModel
+
+if TYPE_CHECKING:
+    from nxdserve.lora.stack import LoraStep
 
 
 class SlotModelRunner:
@@ -76,6 +80,7 @@ class SlotModelRunner:
         alts: DraftAlternatives | None = None,
         keep: torch.Tensor | None = None,
         on_compute: Callable[[], None] | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Run rows r = ``row_lens[r]`` tokens of slot ``row_slots[r]`` from position ``row_starts[r]``.
 
@@ -86,6 +91,7 @@ class SlotModelRunner:
         inputs are set up, as the model's compute (which releases the GIL) begins.
         """
         meta = self.metadata(row_slots, row_starts, row_lens, batched_query_limit)
+        meta.lora = lora  # every token's adapter, the rows' then the alternatives' (LoraStack.step)
         if alts is not None:
             if int(alts.slots.max()) >= self.num_slots or int(alts.positions.max()) >= self.max_len:
                 raise ValueError("a draft alternative lies outside the KV cache")

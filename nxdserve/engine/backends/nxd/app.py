@@ -67,6 +67,10 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
     cls = pick_model_class(hf_config, MODEL_TYPES)
     refuse_image_to_text(cls, hf_config)
     kwargs, draft_overrides = merge_overrides(default_neuron_config(config), config.override_neuron_config)
+    if isinstance(kwargs.get("lora_config"), dict):
+        from neuronx_distributed_inference.modules.lora_serving import LoraServingConfig
+
+        kwargs = {**kwargs, "lora_config": LoraServingConfig(**kwargs["lora_config"])}
     neuron_config = cls.get_neuron_config_cls()(**kwargs)
     inference_config = cls.get_config_cls()(neuron_config, load_config=load_pretrained_config(str(model_path)))
     if getattr(neuron_config, "enable_fused_speculation", False):
@@ -74,7 +78,7 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
         draft_path = spec.get("model")
         if not draft_path:
             raise ConfigError("Fused speculation on NxD needs a draft model: --speculative-config '{\"model\": ...}'.")
-        draft_nc = cls.get_neuron_config_cls()(**draft_neuron_config(kwargs, draft_overrides))
+        draft_nc = cls.get_neuron_config_cls()(**draft_neuron_config({**kwargs, "lora_config": None}, draft_overrides))
         draft_config = cls.get_config_cls()(draft_nc, load_config=load_pretrained_config(str(draft_path)))
         inference_config.fused_spec_config = FusedSpecNeuronConfig(
             cls._model_cls, draft_config=draft_config, draft_model_path=str(draft_path)

@@ -37,10 +37,11 @@ from nxdserve.engine.backends.nxd.app import LoadedApp, load_application, nxd_ve
 from nxdserve.engine.backends.nxd.inputs import GREEDY_EPS, NxdCall, cte_call, sampling_rows, tkg_call
 from nxdserve.engine.backends.nxd.neuron_config import FUSED_METHODS, NxdSettings
 from nxdserve.engine.backends.nxd.outputs import read_fused, read_logits, read_tokens
+from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.sampling.sampler import Sampler
 from nxdserve.engine.step import BackendCapabilities, FusedSpecResult, LogprobsBlock, StepPlan, StepResult
 from nxdserve.engine.structured.mask import StepTokenMask
-from nxdserve.errors import ConfigError, InvalidRequestError
+from nxdserve.errors import ConfigError, InvalidRequestError, LoRAAdapterError
 from nxdserve.model_files import load_hf_config
 from nxdserve.sampling_params import SamplingParams
 
@@ -119,10 +120,26 @@ class NxdBackend(Backend):
         self._needs_cpu_version = -1
         self._warned_slots: set[int] = set()
         self._token_mask: StepTokenMask | None = None
+        self.model_spec = ModelSpec.from_hf_config(text_config)
+        # LoRA: NxD's compiled adapter index of each --lora-modules adapter (0 is the zero adapter).
+        self.lora_index = {m.lora_name: i + 1 for i, m in enumerate(config.lora_modules)} if config.enable_lora else {}
+        self._lora_paths = {m.lora_name: m.lora_path for m in config.lora_modules}
         logger.info("NxD backend ready: sampling %s, %d slots, max_model_len %d", s.sampling_mode, num_seqs,
                     max_model_len)
 
     # -- contract ----------------------------------------------------------------------------------
+    def lora_model_spec(self) -> ModelSpec:
+        return self.model_spec
+
+    def check_lora(self, name: str, path: str) -> None:
+        if self._lora_paths.get(name) != path:
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r} ({path}) was not compiled into the NxD model: the nxd backend serves only "
+                f"the --lora-modules adapters ({sorted(self._lora_paths)}); NxD's LoRA weights are fixed at "
+                "compile time here (use the torch backend for adapters added at run time).",
+                param="lora_name",
+            )
+
     @property
     def capabilities(self) -> BackendCapabilities:
         return self._caps
@@ -161,6 +178,9 @@ class NxdBackend(Backend):
         assert self.batch is not None
         for slot in (*plan.freed_slots, *plan.new_slots):
             self.kv_len[slot] = 0
+        for new in plan.new_requests:
+            if new.lora is not None:
+                self.batch.lora_slot[new.slot] = self.lora_index[new.lora.name]
         if np.any(plan.num_drafts > 0):
             raise RuntimeError("the nxd backend does not verify engine drafts; NxD speculation runs fused on device")
         self._token_mask = plan.token_mask  # structured outputs: those rows are sampled on the host
@@ -189,6 +209,7 @@ class NxdBackend(Backend):
         slots = np.array([slot], dtype=np.int64)
         call = cte_call(self.batch.token_ids[slot, :length], slot, self._sampling_rows(slots),
                         self.settings.cte_buckets_largest, self.settings.pad_token_id)
+        call.adapter_ids = self._adapter_ids(slots)
         step.timings["prepare"] += time.perf_counter() - t0
         output = self._forward(call, step)
         self.kv_len[slot] = length
@@ -216,6 +237,7 @@ class NxdBackend(Backend):
         slots, starts, tokens = slots[order], starts[order], tokens[order]
         self._check_positions(starts)
         call = tkg_call(tokens, starts, slots, self._sampling_rows(slots))
+        call.adapter_ids = self._adapter_ids(slots)
         step.timings["prepare"] += time.perf_counter() - t0
         output = self._forward(call, step)
         # Position of each plan row inside the sorted call.
@@ -224,6 +246,14 @@ class NxdBackend(Backend):
         in_call = where[: rows.size]
         counts = self._collect(output, rows, slots[in_call], starts[in_call], step, in_call)
         self.kv_len[slots[in_call]] = starts[in_call] + counts
+
+    def _adapter_ids(self, slots: np.ndarray) -> torch.Tensor | None:
+        """Each row's compiled adapter index (0: base), when the model was compiled with LoRA."""
+        if not self.lora_index:
+            return None
+        assert self.batch is not None
+        ids = np.maximum(self.batch.lora_slot[slots], 0)  # lora_slot holds the index here; -1: base
+        return torch.from_numpy(ids.astype(np.int32))
 
     def _missing_live_slots(self, slots: np.ndarray) -> np.ndarray:
         if self.settings.seq_ids_mask:  # NxD's pad rows write nowhere

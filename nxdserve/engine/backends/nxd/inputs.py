@@ -34,16 +34,20 @@ class NxdCall:
     position_ids: torch.Tensor  # (B, S) int64
     seq_ids: torch.Tensor  # (B,) int64, ascending
     sampling_params: torch.Tensor  # (B, 3) float32
+    adapter_ids: torch.Tensor | None = None  # (B,) int32 LoRA indices (0: the base model), with lora_config
 
     def kwargs(self) -> dict[str, torch.Tensor | None]:
         # attention_mask=None: NxD infers it from position_ids, as both vllm-neuron versions rely on.
-        return {
+        kwargs = {
             "input_ids": self.input_ids,
             "attention_mask": None,
             "position_ids": self.position_ids,
             "seq_ids": self.seq_ids,
             "sampling_params": self.sampling_params,
         }
+        if self.adapter_ids is not None:
+            kwargs["adapter_ids"] = self.adapter_ids
+        return kwargs
 
 
 def sampling_rows(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -64,6 +65,8 @@ def default_neuron_config(config: EngineConfig) -> dict[str, Any]:
             "global_topk": DEFAULT_GLOBAL_TOPK,
         },
     }
+    if config.enable_lora:
+        kwargs["lora_config"] = lora_serving_config(config)
     spec = config.speculative_config
     if spec and spec.get("method") in FUSED_METHODS:
         method = spec["method"]
@@ -75,6 +78,41 @@ def default_neuron_config(config: EngineConfig) -> dict[str, Any]:
             kwargs["enable_eagle_speculation"] = True
             kwargs["is_eagle3"] = method == "eagle3"
     return kwargs
+
+
+def lora_serving_config(config: EngineConfig) -> dict[str, Any]:
+    """NxD's LoraServingConfig keywords (modules/lora_serving/config.py, NxDI 0.9). NxD builds its LoRA
+    weights into the compiled model: only the --lora-modules adapters, known at compile time, can be served
+    (static multi-LoRA); a zero adapter at index 0 (``enable_base_model_only``) serves base-model rows."""
+    modules = list(config.lora_modules)
+    if not modules:
+        raise ConfigError(
+            "--enable-lora on the nxd backend needs its adapters at compile time: pass them with --lora-modules "
+            "(NxD compiles LoRA weights into the model; adapters added at run time are a torch-backend feature)."
+        )
+    if len(modules) > config.max_loras:
+        raise ConfigError(
+            f"the nxd backend keeps every adapter on device: --max-loras ({config.max_loras}) must be at least "
+            f"the number of --lora-modules ({len(modules)})"
+        )
+    targets: set[str] = set()
+    for module in modules:
+        try:
+            adapter_config = json.loads((Path(module.lora_path) / "adapter_config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--lora-modules {module.lora_name}: unreadable adapter_config.json: {exc}") from exc
+        found = adapter_config.get("target_modules") or []
+        targets.update([found] if isinstance(found, str) else found)
+    return {
+        "max_loras": config.max_loras,
+        "max_lora_rank": config.max_lora_rank,
+        "max_cpu_loras": config.max_cpu_loras or config.max_loras,
+        "batch_size": config.max_num_seqs,
+        "target_modules": sorted(targets),
+        "lora_ckpt_paths": {module.lora_name: module.lora_path for module in modules},
+        "dynamic_multi_lora": False,
+        "enable_base_model_only": True,
+    }
 
 
 def merge_overrides(base: dict[str, Any], overrides: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -105,6 +143,7 @@ def check_supported(settings: Any, where: str) -> None:
 def draft_neuron_config(target: dict[str, Any], draft_overrides: dict[str, Any]) -> dict[str, Any]:
     """The fused draft's kwargs, as vllm-neuron derives them from the target's."""
     draft = copy.deepcopy(target)
+    draft.pop("lora_config", None)  # drafts run the base model; the target verifies with the adapter
     draft["enable_fused_speculation"] = False
     if not draft.get("enable_eagle_speculation"):
         draft["speculation_length"] = 0

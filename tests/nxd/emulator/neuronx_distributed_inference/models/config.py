@@ -145,6 +145,10 @@ class NeuronConfig:
 
         self.apply_seq_ids_mask = kwargs.pop("apply_seq_ids_mask", False)
         self.lora_config = kwargs.pop("lora_config", None)
+        if type(self.lora_config) is dict:
+            from neuronx_distributed_inference.modules.lora_serving import LoraServingConfig
+
+            self.lora_config = LoraServingConfig(**self.lora_config)
         self.skip_warmup = kwargs.pop("skip_warmup", False)
         self.save_sharded_checkpoint = kwargs.pop("save_sharded_checkpoint", False)
         self.quantized = kwargs.pop("quantized", False)

@@ -14,8 +14,13 @@ row semantics:
   the target verifies k positions and the contiguous matches plus one target token are returned,
   padded with -1, with ``next_pos_ids = position_ids + n_accepted``.
 
-Prefix caching, block KV, chunked prefill, medusa, LoRA and async mode are outside the emulator and
-raise NotImplementedError, so a test never silently exercises a path that is not modelled.
+LoRA (``lora_config``): the static case. Every adapter in ``lora_ckpt_paths`` is loaded at load time (PEFT
+folders, read by nxdserve's own loader) into the target's LoRA buffers; ``adapter_ids`` (B,) index them per
+row (0 = the zero adapter with ``enable_base_model_only``). Rows carry their adapter to the KV line they
+run on, so the wrapper's padding and reordering need no extra plumbing. Dynamic multi-LoRA is not emulated.
+
+Prefix caching, block KV, chunked prefill, medusa, dynamic LoRA and async mode are outside the emulator
+and raise NotImplementedError, so a test never silently exercises a path that is not modelled.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from neuronx_distributed_inference.modules.generation.sampling import (
 )
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.runner import SlotModelRunner
+from nxdserve.lora.adapter import load_peft_adapter
+from nxdserve.lora.stack import LoraStack
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +75,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         for flag in ("is_prefix_caching", "is_block_kv_layout", "is_medusa", "async_mode", "enable_token_tree"):
             if getattr(nc, flag):
                 raise NotImplementedError(f"emulator: {flag} is not emulated")
-        if nc.lora_config is not None or nc.token_generation_batches is not None:
-            raise NotImplementedError("emulator: LoRA and batch bucketing are not emulated")
+        if nc.token_generation_batches is not None:
+            raise NotImplementedError("emulator: batch bucketing is not emulated")
+        if nc.lora_config is not None and nc.lora_config.dynamic_multi_lora:
+            raise NotImplementedError("emulator: dynamic multi-LoRA is not emulated")
         if nc.speculation_length > 0 and not nc.enable_fused_speculation:
             raise NotImplementedError("emulator: the unfused speculation model is not emulated")
         self.default_sampling_params = prepare_sampling_params(batch_size=nc.batch_size)
@@ -102,12 +111,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.calls: list[dict[str, Any]] = []
         self.eagle_next_pos: dict[int, int] = {}
         self.eagle_buffer_misses = 0
+        self.lora: LoraStack | None = None
+        self.line_adapter = np.full(nc.kv_cache_batch_size + 1, -1, dtype=np.int64)  # KV line -> LoRA slot
 
     # -- load ----------------------------------------------------------------------------------------
     def load_weights(self, compiled_model_path: str) -> None:
         nc = self.neuron_config
         lines = nc.kv_cache_batch_size + (1 if nc.apply_seq_ids_mask else 0)  # last line: masked writes
         self.target = _runner(self._weights_path(), nc, lines)
+        if nc.lora_config is not None:
+            self.lora = _lora_stack(nc.lora_config, self.target)
         if nc.enable_fused_speculation:
             spec = self.fused_spec_config
             assert spec is not None and spec.draft_model_path, "fused speculation needs a draft model"
@@ -176,6 +189,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             validate_sampling_params(sampling_params, self.neuron_config.on_device_sampling_config)
         sampling_params = infer_sampling_params(sampling_params)
 
+        if self.lora is not None:
+            self._route_adapters(seq_ids, adapter_ids)
+        elif adapter_ids is not None:
+            raise ValueError("adapter_ids given to a model compiled without lora_config")
         args = (input_ids, attention_mask, position_ids, seq_ids, sampling_params)
         if self._is_prefill(position_ids):
             tag, outputs = CONTEXT_ENCODING_MODEL_TAG, self.context_encoding_model(*args)
@@ -188,6 +205,20 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return self._construct_output(outputs)
 
     __call__ = forward
+
+    def _route_adapters(self, seq_ids: torch.Tensor, adapter_ids: Any) -> None:
+        cfg = self.neuron_config.lora_config
+        ids = torch.zeros(seq_ids.shape[0], dtype=torch.long) if adapter_ids is None else adapter_ids.long()
+        limit = cfg.max_loras + int(cfg.enable_base_model_only)
+        if ids.shape != seq_ids.shape or int(ids.min()) < 0 or int(ids.max()) >= limit:
+            raise ValueError(f"adapter_ids {ids.tolist()} outside 0..{limit - 1} for seq_ids {seq_ids.tolist()}")
+        slots = ids.numpy() - int(cfg.enable_base_model_only)  # -1: the zero adapter
+        lines = seq_ids.numpy()
+        valid = lines >= 0
+        self.line_adapter[lines[valid]] = slots[valid]
+
+    def _lora_step(self, token_lines: np.ndarray) -> Any:
+        return None if self.lora is None else self.lora.step(self.line_adapter[token_lines])
 
     @staticmethod
     def _is_prefill(position_ids: torch.Tensor) -> bool:
@@ -246,7 +277,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             lines = list(range(batch))
         gathered = []
         for row, line in enumerate(lines):
-            hidden = runner.run(input_ids[row].long(), np.array([line]), np.array([0]), np.array([bucket]))
+            lora = self._lora_step(np.full(bucket, line)) if runner is self.target else None
+            hidden = runner.run(input_ids[row].long(), np.array([line]), np.array([0]), np.array([bucket]), lora=lora)
             index = torch.max(position_ids[row], dim=0).indices  # the first maximum, as the device gather
             gathered.append(hidden[index])
         return runner.logits(torch.stack(gathered))
@@ -282,7 +314,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         rows = self._active_rows(seq_ids)
         positions = position_ids[:, 0].long().numpy()
         logits = torch.zeros(input_ids.shape[0], self.target.model.vocab_size)
-        hidden = self.target.run(input_ids[rows, 0].long(), rows, positions[rows], np.ones(rows.size, dtype=np.int64))
+        hidden = self.target.run(input_ids[rows, 0].long(), rows, positions[rows], np.ones(rows.size, dtype=np.int64),
+                                 lora=self._lora_step(rows))
         logits[torch.from_numpy(rows)] = self.target.logits(hidden)
         return self._outputs(logits, sampling_params)
 
@@ -301,7 +334,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             drafted[torch.from_numpy(rows)] = self.draft.logits(hidden).argmax(dim=-1)
             candidates.append(drafted)
         verify = torch.stack(candidates[:k], dim=1)  # (B, k): input + k-1 drafts
-        hidden = self.target.run(verify[rows].reshape(-1), rows, pos[rows], ones * k)
+        hidden = self.target.run(verify[rows].reshape(-1), rows, pos[rows], ones * k,
+                                 lora=self._lora_step(np.repeat(rows, k)))
         target_logits = torch.zeros(batch, k, self.target.model.vocab_size)
         target_logits[torch.from_numpy(rows)] = self.target.logits(hidden).view(rows.size, k, -1)
         params = sampling_params.repeat_interleave(k, dim=0)
@@ -329,6 +363,19 @@ def _next_inputs(accepted: torch.Tensor, next_pos: torch.Tensor, mask_len: int) 
     next_input_ids = accepted[torch.arange(batch), n - 1].view(batch, 1)
     mask = (next_pos.expand(batch, mask_len) - 1 >= torch.arange(mask_len).view(1, -1)).to(torch.int32)
     return [next_input_ids, mask, next_pos]
+
+
+def _lora_stack(cfg: Any, runner: SlotModelRunner) -> LoraStack:
+    """Every compile-time adapter into its buffer slot, in ``lora_ckpt_paths`` order."""
+    paths = cfg.ckpt_paths()
+    if len(paths) > cfg.max_loras:
+        raise ValueError(f"{len(paths)} adapters in lora_ckpt_paths but max_loras={cfg.max_loras}")
+    model = runner.model
+    stack = LoraStack(model.spec, cfg.max_loras, cfg.max_lora_rank, model.dtype, model.device)
+    for i, (name, path) in enumerate(paths):
+        adapter = load_peft_adapter(path, model.spec, cfg.max_lora_rank, name, i + 1)
+        assert stack.slot_for(adapter, set()) == i
+    return stack
 
 
 def _runner(path: str, nc: NeuronConfig, lines: int, max_len: int | None = None) -> SlotModelRunner:

@@ -1,0 +1,149 @@
+"""The forward's LoRA buffers and the grouped (punica-style) shrink/expand over a mixed batch.
+
+Each of a layer's four fused linears (qkv, o, gate_up, down) has stacked buffers over ``max_loras``
+adapter slots: A (layers, max_loras, S*r, in) and B (layers, max_loras, out, S*r), S being the number of
+PEFT modules packed in that linear (3 for q/k/v) and r the maximum rank; a smaller rank or an untargeted
+module is zero-padded, which adds exact zeros. One step's adapters are gathered once (cached while the
+set is the same, the common case in decode); then per layer and linear:
+
+    shrink: buf = x @ A_active^T          (T, K*S*r)   one GEMM for all K adapters in the step
+    group:  buf *= one_hot(token adapter)  (T, K, S*r)  each token keeps only its own adapter's block
+    expand: y += buf @ B_active^T          (T, out)     one GEMM writes every packed slice
+
+So a step costs two small GEMMs of width K*S*r per linear, whatever the number of rows, with no Python
+per request; steps with no adapter row skip all of it (``LoraStep`` is None).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from nxdserve.engine.models.spec import ModelSpec
+from nxdserve.errors import LoRAAdapterError
+from nxdserve.lora.adapter import TARGETS, LoraAdapter
+
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def _layout(spec: ModelSpec) -> dict[str, tuple[int, int, list[int]]]:
+    """linear -> (in_features, out_features, start of each packed slice in the output)."""
+    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+    return {
+        "qkv": (h, q + 2 * kv, [0, q, q + kv, q + 2 * kv]),
+        "o": (q, h, [0, h]),
+        "gate_up": (h, 2 * i, [0, i, 2 * i]),
+        "down": (i, h, [0, h]),
+    }
+
+
+class LoraStack:
+    """Device buffers for ``max_loras`` resident adapters, managed least-recently-used."""
+
+    def __init__(
+        self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.spec = spec
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.layout = _layout(spec)
+        r, n = max_rank, spec.num_layers
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for linear, (fan_in, fan_out, starts) in self.layout.items():
+            width = (len(starts) - 1) * r
+            self.a[linear] = torch.zeros(n, max_loras, width, fan_in, dtype=dtype, device=device)
+            self.b[linear] = torch.zeros(n, max_loras, fan_out, width, dtype=dtype, device=device)
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter int id -> buffer slot, oldest first
+        self._gathered: tuple[tuple[int, ...], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    # -- residency ---------------------------------------------------------------------------------
+    def slot_for(self, adapter: LoraAdapter, in_use: set[int]) -> int:
+        """The buffer slot holding ``adapter``, copying it in (over the least recently used slot that no
+        running row uses) when it is not resident. ``in_use``: buffer slots running rows point at."""
+        slot = self.resident.get(adapter.int_id)
+        if slot is not None:
+            self.resident.move_to_end(adapter.int_id)
+            return slot
+        # A slot whose adapter was unloaded stays untouched while running rows still use it.
+        taken = set(self.resident.values()) | in_use
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((i for i, s in self.resident.items() if s not in in_use), None)
+            if victim is None:
+                raise LoRAAdapterError(f"more than max_loras={self.max_loras} adapters in one batch")
+            slot = self.resident.pop(victim)
+        self._write(slot, adapter)
+        self.resident[adapter.int_id] = slot
+        return slot
+
+    def evict(self, int_id: int) -> None:
+        self.resident.pop(int_id, None)
+
+    @torch.no_grad()
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        if adapter.rank > self.max_rank:
+            raise LoRAAdapterError(f"LoRA rank {adapter.rank} is greater than max_lora_rank {self.max_rank}")
+        r = self.max_rank
+        for linear in LINEARS:
+            self.a[linear][:, slot].zero_()
+            self.b[linear][:, slot].zero_()
+        for (layer, module), (a, b) in adapter.weights.items():
+            linear, part = TARGETS[module]
+            starts = self.layout[linear][2]
+            cols = slice(part * r, part * r + adapter.rank)
+            self.a[linear][layer, slot, cols] = a.to(self.a[linear].dtype)
+            self.b[linear][layer, slot, starts[part] : starts[part + 1], cols] = b.to(self.b[linear].dtype)
+        self._gathered = None  # the slot's contents changed
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self, token_slots: np.ndarray) -> LoraStep | None:
+        """``token_slots`` (T,): each token's buffer slot, -1 for base-model tokens. None: no adapter token."""
+        on = token_slots >= 0
+        if not on.any():
+            return None
+        active = np.unique(token_slots[on])
+        key = tuple(active.tolist())
+        if self._gathered is None or self._gathered[0] != key:
+            index = torch.from_numpy(active).to(self.a["qkv"].device)
+            gathered = {}
+            for linear in LINEARS:
+                a = self.a[linear].index_select(1, index)  # (L, K, S*r, in)
+                b = self.b[linear].index_select(1, index)  # (L, K, out, S*r)
+                n, k, width, fan_in = a.shape
+                gathered[linear] = (
+                    a.reshape(n, k * width, fan_in).transpose(1, 2).contiguous(),  # (L, in, K*S*r)
+                    b.permute(0, 2, 1, 3).reshape(n, b.shape[2], k * width).transpose(1, 2).contiguous(),
+                )
+            self._gathered = (key, gathered)
+        if active.size == 1 and on.all():  # every token on one adapter (e.g. a single stream): nothing to mask
+            return LoraStep(self._gathered[1], None, 1)
+        local = np.searchsorted(active, np.where(on, token_slots, active[0]))
+        one_hot = torch.zeros(token_slots.shape[0], active.size, dtype=self.a["qkv"].dtype)
+        one_hot[torch.from_numpy(np.flatnonzero(on)), torch.from_numpy(local[on])] = 1
+        return LoraStep(self._gathered[1], one_hot.to(self.a["qkv"].device), active.size)
+
+
+class LoraStep:
+    """One forward's adapters, shared by all layers (``AttentionMetadata.lora``)."""
+
+    def __init__(
+        self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], one_hot: torch.Tensor | None, num_adapters: int
+    ) -> None:
+        self.weights = weights
+        self.one_hot = one_hot  # (T, K); None when every token runs the one adapter
+        self.num_adapters = num_adapters
+
+    def add(self, out: torch.Tensor, layer: int, linear: str, x: torch.Tensor) -> torch.Tensor:
+        """``out += B (A x)`` with each token's own adapter, for ``linear`` of ``layer``. ``out`` must be a fresh
+        tensor (a linear's output): it is updated in place and returned."""
+        a, b = self.weights[linear]
+        buf = x @ a[layer]  # shrink: (T, K*S*r)
+        if self.one_hot is not None:
+            t = buf.shape[0]
+            buf = (buf.view(t, self.num_adapters, -1) * self.one_hot[:t, :, None]).view(t, -1)
+        return out.addmm_(buf, b[layer])  # expand
