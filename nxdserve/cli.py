@@ -139,7 +139,7 @@ def _neuron_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     if from_additional is not None and not isinstance(from_additional, dict):
         raise ConfigError("--additional-config: override_neuron_config must be a JSON object.")
     if from_additional is None:
-        return args.override_neuron_config  # type: ignore[no-any-return]
+        return args.override_neuron_config
     return {**from_additional, **(args.override_neuron_config or {})}
 
 

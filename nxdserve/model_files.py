@@ -261,8 +261,9 @@ def _write_hf_folder(gguf_path: Path, out_dir: Path, progress: bool) -> None:
         tokenizer.model_max_length = int(model.config.max_position_embeddings)
         # The weights are plain float tensors now; the saved config must not claim GGUF quantization,
         # or loaders would look for a .gguf file in the converted folder.
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         steps.set_postfix_str("saving")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from nxdserve.api.chat import create_chat_completion, render_prompt
 from nxdserve.api.completions import create_completion
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.api.errors import APIError, handle_exception
 from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware, load_user_middleware
 from nxdserve.api.openapi import openapi_schema
@@ -142,7 +143,7 @@ DOCS_ROUTES = [Route("/openapi.json", openapi, methods=["GET"])]
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient,
     served_model_names: list[str] | None = None,
     api_key: str | list[str] | None = None,
     log_requests: bool = False,

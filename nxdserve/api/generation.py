@@ -12,8 +12,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.engine.outputs import Logprob, LogprobsList, RequestOutput
 from nxdserve.errors import RequestFailedError
 from nxdserve.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ class EngineCall:
     add_special_tokens: bool = True
 
 
-def start_requests(engine: Any, calls: Sequence[EngineCall]) -> list[RequestStream]:
+def start_requests(engine: EngineClient, calls: Sequence[EngineCall]) -> list[RequestStream]:
     """Enqueue every call or none: if one is refused (validation, queue full), abort the ones
     already enqueued and re-raise."""
     streams: list[RequestStream] = []
@@ -119,7 +120,7 @@ class ChoiceState:
             self.prompt = out.prompt
             self.prompt_token_ids = list(out.prompt_token_ids)
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = list(out.prompt_logprobs)  # type: ignore[arg-type]
+            self.prompt_logprobs = list(out.prompt_logprobs)
         if not out.outputs:
             return
         delta = out.outputs[0]

@@ -92,9 +92,9 @@ def normalize_prompts(prompt: CompletionPrompt | None, vocab_size: int) -> list[
     if isinstance(prompt, str):
         prompts: list[PromptInput] = [prompt]
     elif all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
+        prompts = [[int(p) for p in prompt if isinstance(p, int)]]
     else:
-        prompts = [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+        prompts = [p if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
     for p in prompts:
         if len(p) == 0:
             raise APIError(EMPTY_PROMPT_MESSAGE, param="prompt")

@@ -117,8 +117,9 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxdserve-model")
         loop = asyncio.get_running_loop()
         # Load in the model thread: heavy, and some backends bind state to the thread that loads them.
-        self.core, files = await loop.run_in_executor(self._executor, build_engine_core, self.config)
-        await loop.run_in_executor(self._executor, self.core.backend.own_thread)
+        core, files = await loop.run_in_executor(self._executor, build_engine_core, self.config)
+        self.core = core
+        await loop.run_in_executor(self._executor, core.backend.own_thread)
         self.model_path = str(files.path)
         self.tokenizer = files.tokenizer
         self.generation_defaults = files.generation_defaults
@@ -126,11 +127,11 @@ class AsyncEngine:
 
         self.chat_template = read_chat_template(self.config.chat_template)
         self._accepting = True
-        self.core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
+        core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
         self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
         logger.info(
             "engine ready: backend=%s mode=%s max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
-            self.backend_name, self.config.scheduling_mode, self.max_model_len, self.core.num_slots,
+            self.backend_name, self.config.scheduling_mode, self.max_model_len, core.num_slots,
             self.config.max_num_batched_tokens,
         )
 
@@ -307,7 +308,7 @@ class AsyncEngine:
             try:
                 op = steps.throw(error) if error is not None else steps.send(value)
             except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+                return stop.value
             value = error = None
             if isinstance(op, RunInWorker):
                 if op.forward:

@@ -41,6 +41,10 @@ PROMPT_LOGPROBS_BLOCK = 256
 class SamplerLike(Protocol):
     """What the backend needs from ``nxdserve.engine.sampling.sampler.Sampler``."""
 
+    vocab_size: int
+
+    def plain_greedy(self, slots: np.ndarray, batch: PersistentBatch) -> bool: ...
+
     def sample(
         self, logits: torch.Tensor, slots: np.ndarray, batch: PersistentBatch, token_mask: TokenMask | None = None
     ) -> Any: ...
@@ -210,9 +214,9 @@ class TorchBackend(Backend):
             target = torch.zeros(rows.sampled.size, rows.width, dtype=torch.long)  # padding: argmax of zeros
             target[torch.from_numpy(verify_valid)] = greedy
             _, num_drafts, draft_ids = self._drafts(batch, rows)
-            out = accept_greedy(target, torch.from_numpy(draft_ids), torch.from_numpy(num_drafts))
-            out_tokens[rows.sampled] = out.token_ids.numpy()
-            num_sampled[rows.sampled] = out.num_tokens.numpy()
+            accepted = accept_greedy(target, torch.from_numpy(draft_ids), torch.from_numpy(num_drafts))
+            out_tokens[rows.sampled] = accepted.token_ids.numpy()
+            num_sampled[rows.sampled] = accepted.num_tokens.numpy()
         elif logits is not None:
             if rows.width == 1:  # no drafts anywhere: plain sampling
                 out = self.sampler.sample(logits, rows.slots[rows.sampled], batch, _mask(plan, rows))

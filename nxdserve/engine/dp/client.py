@@ -337,7 +337,9 @@ class DataParallelEngine:
 
     generate = AsyncEngine.generate
     apply_chat_template = AsyncEngine.apply_chat_template
-    encode = AsyncEngine.encode
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def abort(self, request_id: str) -> None:
         """Idempotent; unknown ids are ignored. The engine answers with the request's final "abort" output."""

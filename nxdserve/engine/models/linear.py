@@ -82,8 +82,10 @@ def linear(
     lead = x.shape[:-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     res2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
-    out = gemm.matmul(x2, weight, bias, res2)
-    if out is None:
+    fast = gemm.matmul(x2, weight, bias, res2)
+    if fast is not None:
+        out = fast
+    else:
         out = _onednn_linear(x2, weight, bias)
         if res2 is not None:
             out = out + res2

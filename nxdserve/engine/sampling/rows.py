@@ -84,7 +84,7 @@ def _csr(lists: list[np.ndarray], dtype: type) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter((a.shape[0] for a in lists), dtype=np.int64, count=len(lists))
     offsets = np.zeros(len(lists) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(lists).astype(dtype) if lists else np.zeros(0, dtype=dtype)
+    values: np.ndarray = np.concatenate(lists).astype(dtype) if lists else np.zeros(0, dtype=dtype)
     return offsets, values
 
 
