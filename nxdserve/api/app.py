@@ -36,6 +36,7 @@ from nxdserve.api.responses import (
 from nxdserve.api.responses_api import RESPONSES_ROUTES, ResponseStore
 from nxdserve.api.state import ServerState, get_state, parse
 from nxdserve.errors import NxdServeError
+from nxdserve.tools.flags import check_chat_template_flags
 
 if TYPE_CHECKING:
     from nxdserve.api.server import ServeOptions
@@ -44,12 +45,9 @@ logger = logging.getLogger(__name__)
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    from nxdserve import __version__
 
-        return version("nxdserve")
-    except Exception:  # running from a source tree that is not installed
-        return "0.1.0"
+    return __version__
 
 
 async def health(request: Request) -> Response:
@@ -92,11 +90,7 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Exactly one of `prompt` or `messages` must be given.", param="prompt")
     if req.messages is not None:
-        if req.add_generation_prompt and req.continue_final_message:
-            raise APIError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                param="continue_final_message",
-            )
+        check_chat_template_flags(req.add_generation_prompt, req.continue_final_message)
         text = render_prompt(state.engine, req)
         add_special = bool(req.add_special_tokens)  # vLLM: False for chat unless asked
     else:

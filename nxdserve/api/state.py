@@ -17,7 +17,6 @@ from nxdserve.api.errors import APIError, format_validation_error, model_not_fou
 
 logger = logging.getLogger("nxdserve.requests")
 
-REQUEST_ID_HEADER = "x-request-id"
 M = TypeVar("M", bound=BaseModel)
 
 

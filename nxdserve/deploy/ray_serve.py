@@ -56,9 +56,6 @@ class MetricsHub:
     def report(self, replica: str, text: str) -> None:
         self._latest[replica] = (time.monotonic(), text)
 
-    def forget(self, replica: str) -> None:
-        self._latest.pop(replica, None)
-
     def collect(self) -> dict[str, str]:
         cutoff = time.monotonic() - _METRICS_STALE_S
         self._latest = {k: v for k, v in self._latest.items() if v[0] >= cutoff}

@@ -203,11 +203,9 @@ class AsyncEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError(
-                "continue_final_message and add_generation_prompt cannot both be true.",
-                param="continue_final_message",
-            )
+        from nxdserve.tools.flags import check_chat_template_flags
+
+        check_chat_template_flags(add_generation_prompt, continue_final_message)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,

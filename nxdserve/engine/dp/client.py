@@ -372,10 +372,6 @@ class DataParallelEngine:
     def backend_name(self) -> str:
         return self._facts.backend_name
 
-    @property
-    def num_engines(self) -> int:
-        return len(self.handles)
-
     def outstanding(self) -> list[int]:
         """Requests in flight per engine (what the router balances)."""
         return [len(h.streams) for h in self.handles]

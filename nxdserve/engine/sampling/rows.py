@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from nxdserve.engine.persistent_batch import PersistentBatch
-
-GREEDY_EPS = 1e-5  # the batch writes 0.0 for greedy; anything this small would be argmax anyway
+from nxdserve.sampling_params import GREEDY_EPS
 
 
 @dataclass

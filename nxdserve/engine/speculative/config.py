@@ -244,11 +244,6 @@ class SpeculativeConfig:
 
         return load_hf_config(resolve_model(self.model))
 
-    @property
-    def uses_draft_kv(self) -> bool:
-        """Proposers that keep their own per-slot KV (everything but n-gram)."""
-        return self.method != "ngram"
-
 
 def _infer_method(d: dict[str, Any]) -> str:
     """vLLM infers the method from the model when it is left out; so do we, conservatively."""
