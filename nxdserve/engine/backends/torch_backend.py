@@ -11,7 +11,6 @@ decode path.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from nxdserve.engine.sampling.sampler import accept_greedy
 from nxdserve.engine.step import BackendCapabilities, LogprobsBlock, StepPlan, StepResult
 from nxdserve.engine.structured.mask import TokenMask
 from nxdserve.errors import ConfigError
+from nxdserve.model_files import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class TorchBackend(Backend):
             chunked_prefill=True,
             supports_draft_verification=True,
             draft_alternatives=True,
-            eos_token_ids=_eos_token_ids(model_path),
+            eos_token_ids=tuple(sorted(eos_token_ids(model_path))),
         )
         self._warm_up()
 
@@ -432,20 +432,6 @@ class _Alternatives:
     def accepted(self, out_tokens: np.ndarray, num_sampled: np.ndarray) -> np.ndarray:
         """Alternatives that won: their row rejected its first draft and emitted exactly them."""
         return np.flatnonzero((num_sampled[self.row] == 1) & (out_tokens[self.row, 0] == self.token_ids))
-
-
-def _eos_token_ids(model_path: Path) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        file = Path(model_path) / name
-        if not file.is_file():
-            continue
-        value = json.loads(file.read_text()).get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return tuple(sorted(ids))
 
 
 def _with_width(block: LogprobsBlock | None) -> LogprobsBlock | None:

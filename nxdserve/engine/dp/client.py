@@ -31,6 +31,7 @@ from nxdserve.engine.dp.worker import run_engine_process
 from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.structured import GrammarCompiler
 from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from nxdserve.model_files import eos_token_ids
 from nxdserve.sampling_params import SamplingParams
 from nxdserve.tools.flags import read_chat_template
 
@@ -145,8 +146,8 @@ class DataParallelEngine:
             await self.shutdown(drain_timeout=0)
             raise
         facts = self._facts
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        self._grammars = GrammarCompiler(self.tokenizer, facts.vocab_size, frozenset([] if eos is None else [eos]))
+        eos = eos_token_ids(facts.model_path, self.tokenizer)  # what each engine's core gathers too
+        self._grammars = GrammarCompiler(self.tokenizer, facts.vocab_size, eos)
         self.model_path = facts.model_path
         self.generation_defaults = dict(facts.generation_defaults)
         self._accepting = True
