@@ -37,6 +37,7 @@ SUBCOMMANDS = {
     "bench": ("nxdserve.bench.cli", "main"),
     "train-eagle": ("nxdserve.speculative.train_eagle", "main"),
 }
+SUBCOMMAND_EXTRAS = {"bench": "bench"}  # the pyproject extra that holds a subcommand's own dependencies
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
@@ -258,9 +259,14 @@ def _dispatch(name: str, argv: list[str]) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not module_name.startswith(exc.name):
+        if exc.name is not None and module_name.startswith(exc.name):
+            print(f"nxdserve {name}: not available in this installation ({module_name} is missing).",
+                  file=sys.stderr)
+            return 2
+        extra = SUBCOMMAND_EXTRAS.get(name)
+        if extra is None:
             raise  # the module exists but one of its own imports is missing: show that
-        print(f"nxdserve {name}: not available in this installation ({module_name} is missing).", file=sys.stderr)
+        print(f"nxdserve {name} needs the {exc.name} package: pip install 'nxdserve[{extra}]'", file=sys.stderr)
         return 2
     result = getattr(module, func_name)(argv)
     return int(result or 0)
