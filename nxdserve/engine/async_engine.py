@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.core import (
@@ -48,10 +48,15 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return a
 
 
-class RequestStream:
-    """Async iterator over one request's outputs. Closing it before the end aborts the request."""
+class _Aborts(Protocol):
+    def abort(self, request_id: str) -> None: ...
 
-    def __init__(self, engine: AsyncEngine, request_id: str, merge_deltas: bool) -> None:
+
+class RequestStream:
+    """Async iterator over one request's outputs (from AsyncEngine or the data-parallel engine). Closing it
+    before the end aborts the request."""
+
+    def __init__(self, engine: _Aborts, request_id: str, merge_deltas: bool) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -22,13 +22,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.async_engine import AsyncEngine
+from nxdserve.engine.async_engine import AsyncEngine, RequestStream
 from nxdserve.engine.core import EngineCore, EngineStats
 from nxdserve.engine.dp.metrics import labelled_registry
 from nxdserve.engine.dp.placement import Placement, plan
 from nxdserve.engine.dp.protocol import EngineFacts, from_wire
 from nxdserve.engine.dp.worker import run_engine_process
-from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.structured import GrammarCompiler
 from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from nxdserve.model_files import eos_token_ids
@@ -39,40 +38,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESTARTS = 3
 _EXIT_WAIT_S = 10.0
-
-
-class DataParallelStream:
-    """One request's outputs as they arrive from its engine process; closing it early aborts the request."""
-
-    def __init__(self, engine: DataParallelEngine, request_id: str) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> DataParallelStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.abort()
 
 
 @dataclass
@@ -86,7 +51,7 @@ class _EngineProcessHandle:
     gave_up: bool = False
     restarts: int = 0
     last_error: str | None = None
-    streams: dict[str, DataParallelStream] = field(default_factory=dict)
+    streams: dict[str, RequestStream] = field(default_factory=dict)
     stats: EngineStats | None = None
     metrics_text: str = ""
     started: asyncio.Future[None] | None = None
@@ -275,7 +240,7 @@ class DataParallelEngine:
         except EngineDeadError as exc:
             logger.error("%s", exc)
 
-    def _release(self, handle: _EngineProcessHandle, request_id: str) -> DataParallelStream | None:
+    def _release(self, handle: _EngineProcessHandle, request_id: str) -> RequestStream | None:
         self._owner.pop(request_id, None)
         return handle.streams.pop(request_id, None)
 
@@ -311,7 +276,7 @@ class DataParallelEngine:
             raise QueueFullError(f"The waiting queue is full ({self.config.max_waiting} requests); retry later.")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    add_special_tokens: bool = True) -> DataParallelStream:
+                    add_special_tokens: bool = True) -> RequestStream:
         """Validate and send to the least loaded engine now; raises a typed error instead of returning a stream."""
         import uuid
 
@@ -321,7 +286,7 @@ class DataParallelEngine:
         request_id = request_id or uuid.uuid4().hex
         token_ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) and prompt else prompt
         self._validate(handle, list(token_ids or []), dataclasses.replace(params), request_id)
-        stream = DataParallelStream(self, request_id)
+        stream = RequestStream(self, request_id, merge_deltas=False)  # outputs arrive one message each
         assert handle.conn is not None
         try:
             handle.conn.send(("add", request_id, prompt, params, add_special_tokens))

@@ -46,10 +46,8 @@ def _available() -> bool:
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of ``weight`` (out, in), or None where packing does not apply."""
-    entry = getattr(weight, _ATTR, None)
-    if entry is not None and entry[0] == weight._version:
-        return entry[1]
+    """The oneDNN-packed copy of ``weight`` (out, in), kept on the weight like gemm's panels (``gemm.kept``),
+    or None where packing does not apply."""
     if (
         not enabled
         or weight.requires_grad
@@ -59,10 +57,12 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
         or not _available()
     ):
         return None
+    return gemm.kept(weight, _ATTR, _reorder_for_onednn)
+
+
+def _reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-    setattr(weight, _ATTR, (weight._version, packed))
-    return packed
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
 def drop_packed(weight: torch.Tensor) -> None:
