@@ -25,7 +25,19 @@ if TYPE_CHECKING:
     from nxdserve.lora.request import LoRARequest
     from nxdserve.sampling_params import OutputKind, SamplingParams
 
-__version__ = "0.1.0"
+
+
+def _installed_version() -> str:
+    """pyproject.toml's version, as the installed distribution records it: its one source."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nxdserve")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 _EXPORTS = {
     "AsyncEngine": "nxdserve.engine.async_engine",

@@ -38,6 +38,7 @@ SUBCOMMANDS = {
     "bench": ("nxdserve.bench.cli", "main"),
     "train-eagle": ("nxdserve.speculative.train_eagle", "main"),
 }
+SUBCOMMAND_EXTRAS = {"bench": "bench"}  # the pyproject extra that holds a subcommand's own dependencies
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
@@ -167,7 +168,7 @@ def _neuron_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     if from_additional is not None and not isinstance(from_additional, dict):
         raise ConfigError("--additional-config: override_neuron_config must be a JSON object.")
     if from_additional is None:
-        return args.override_neuron_config  # type: ignore[no-any-return]
+        return args.override_neuron_config
     return {**from_additional, **(args.override_neuron_config or {})}
 
 
@@ -290,9 +291,14 @@ def _dispatch(name: str, argv: list[str]) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not module_name.startswith(exc.name):
+        if exc.name is not None and module_name.startswith(exc.name):
+            print(f"nxdserve {name}: not available in this installation ({module_name} is missing).",
+                  file=sys.stderr)
+            return 2
+        extra = SUBCOMMAND_EXTRAS.get(name)
+        if extra is None:
             raise  # the module exists but one of its own imports is missing: show that
-        print(f"nxdserve {name}: not available in this installation ({module_name} is missing).", file=sys.stderr)
+        print(f"nxdserve {name} needs the {exc.name} package: pip install 'nxdserve[{extra}]'", file=sys.stderr)
         return 2
     result = getattr(module, func_name)(argv)
     return int(result or 0)

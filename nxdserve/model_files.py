@@ -157,6 +157,24 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
 # -- helpers --------------------------------------------------------------------------------------------
 
 
+def eos_token_ids(model_path: str | Path, tokenizer: Any = None) -> frozenset[int]:
+    """Every end-of-sequence id a model declares: its generation_config.json's and config.json's
+    ``eos_token_id`` (an int or a list), and the tokenizer's own. The one place they are gathered."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = Path(model_path) / name
+        if not file.is_file():
+            continue
+        value = json.loads(file.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
 def _check_hf_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise ConfigError(f"Model folder {path} has no config.json.")
@@ -261,8 +279,9 @@ def _write_hf_folder(gguf_path: Path, out_dir: Path, progress: bool) -> None:
         tokenizer.model_max_length = int(model.config.max_position_embeddings)
         # The weights are plain float tensors now; the saved config must not claim GGUF quantization,
         # or loaders would look for a .gguf file in the converted folder.
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         steps.set_postfix_str("saving")

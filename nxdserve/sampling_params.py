@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5  # temperatures below it are greedy (the batch stores 0.0 for them); the one definition
 
 
 class OutputKind(enum.Enum):
@@ -63,7 +63,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     @property
     def needs_penalties(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from nxdserve.api.chat import create_chat_completion, render_prompt
 from nxdserve.api.completions import create_completion
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.api.errors import APIError, handle_exception
 from nxdserve.api.lora import RUNTIME_ROUTES as LORA_RUNTIME_ROUTES
 from nxdserve.api.lora import adapter_cards
@@ -39,6 +40,7 @@ from nxdserve.api.responses import (
 from nxdserve.api.responses_api import RESPONSES_ROUTES, ResponseStore
 from nxdserve.api.state import ServerState, get_state, parse
 from nxdserve.errors import NxdServeError
+from nxdserve.tools.flags import check_chat_template_flags
 
 if TYPE_CHECKING:
     from nxdserve.api.server import ServeOptions
@@ -47,12 +49,9 @@ logger = logging.getLogger(__name__)
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    from nxdserve import __version__
 
-        return version("nxdserve")
-    except Exception:  # running from a source tree that is not installed
-        return "0.1.0"
+    return __version__
 
 
 async def health(request: Request) -> Response:
@@ -96,11 +95,7 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Exactly one of `prompt` or `messages` must be given.", param="prompt")
     if req.messages is not None:
-        if req.add_generation_prompt and req.continue_final_message:
-            raise APIError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                param="continue_final_message",
-            )
+        check_chat_template_flags(req.add_generation_prompt, req.continue_final_message)
         text = render_prompt(state.engine, req)
         add_special = bool(req.add_special_tokens)  # vLLM: False for chat unless asked
     else:
@@ -147,7 +142,7 @@ DOCS_ROUTES = [Route("/openapi.json", openapi, methods=["GET"])]
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient,
     served_model_names: list[str] | None = None,
     api_key: str | list[str] | None = None,
     log_requests: bool = False,

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from nxdserve.api.chat_output import ChatOutputPlan
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.api.errors import APIError, sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import TokenIdNames, chat_logprobs
@@ -30,7 +31,7 @@ from nxdserve.api.responses import (
     now,
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
-from nxdserve.api.streaming import DONE_FRAME, TextChunkFrames, respond, sse_frame
+from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, TextChunkFrames, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
 from nxdserve.errors import NxdServeError
 
@@ -88,10 +89,10 @@ def _template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render_prompt(engine: Any, req: ChatCompletionRequest | Any) -> str:
+def render_prompt(engine: EngineClient, req: ChatCompletionRequest | Any) -> str:
     """The rendered chat template; template errors (e.g. roles that must alternate) are 400s."""
     try:
-        return engine.apply_chat_template(  # type: ignore[no-any-return]
+        return engine.apply_chat_template(
             message_dicts(req.messages, getattr(engine.config, "chat_template_content_format", "string")),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
@@ -104,7 +105,7 @@ def render_prompt(engine: Any, req: ChatCompletionRequest | Any) -> str:
         raise APIError(f"Cannot apply the chat template: {exc}", param="messages") from exc
 
 
-async def create_chat_completion(request: Request) -> Response:
+async def create_chat_completion(request: Request) -> Response | EventStreamResponse:
     state = get_state(request)
     req = await parse(request, ChatCompletionRequest)
     model = state.resolve_model(req.model)

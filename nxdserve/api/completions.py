@@ -30,11 +30,11 @@ from nxdserve.api.responses import (
     now,
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
-from nxdserve.api.streaming import DONE_FRAME, TextChunkFrames, respond, sse_frame
+from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, TextChunkFrames, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
 
 
-async def create_completion(request: Request) -> Response:
+async def create_completion(request: Request) -> Response | EventStreamResponse:
     state = get_state(request)
     req = await parse(request, CompletionRequest)
     model = state.resolve_model(req.model)
@@ -113,7 +113,8 @@ class _CompletionView:
     def response(self, states: Sequence[ChoiceState]) -> CompletionResponse:
         choices = []
         for st in states:
-            text, token_ids, steps = st.text, st.token_ids, list(st.logprobs)
+            steps: list[dict[int, Logprob] | None] = list(st.logprobs)
+            text, token_ids = st.text, st.token_ids
             if self.drop_generated:
                 text, token_ids, steps = "", [], []
             if self.req.echo:
@@ -150,7 +151,8 @@ class _CompletionView:
                 seen_tokens, seen_logprobs = len(st.token_ids), len(st.logprobs)
                 st.update(out)
                 text = out.outputs[0].text if out.outputs else ""
-                token_ids, steps = st.token_ids[seen_tokens:], st.logprobs[seen_logprobs:]
+                token_ids = st.token_ids[seen_tokens:]
+                steps: list[dict[int, Logprob] | None] = list(st.logprobs[seen_logprobs:])
                 if self.drop_generated:
                     text, token_ids, steps = "", [], []
                 if first and self.req.echo:

@@ -12,10 +12,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.engine.outputs import Logprob, LogprobsList, RequestOutput
 from nxdserve.errors import RequestFailedError
+from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,10 +35,10 @@ class EngineCall:
     params: SamplingParams
     request_id: str
     add_special_tokens: bool = True
-    lora_request: Any = None  # nxdserve.lora.LoRARequest when the request's model names an adapter
+    lora_request: LoRARequest | None = None  # when the request's model names an adapter
 
 
-def start_requests(engine: Any, calls: Sequence[EngineCall]) -> list[RequestStream]:
+def start_requests(engine: EngineClient, calls: Sequence[EngineCall]) -> list[RequestStream]:
     """Enqueue every call or none: if one is refused (validation, queue full), abort the ones
     already enqueued and re-raise."""
     streams: list[RequestStream] = []
@@ -48,7 +50,7 @@ def start_requests(engine: Any, calls: Sequence[EngineCall]) -> list[RequestStre
                     call.params,
                     request_id=call.request_id,
                     add_special_tokens=call.add_special_tokens,
-                    **({} if call.lora_request is None else {"lora_request": call.lora_request}),
+                    lora_request=call.lora_request,
                 )
             )
     except BaseException:
@@ -121,7 +123,7 @@ class ChoiceState:
             self.prompt = out.prompt
             self.prompt_token_ids = list(out.prompt_token_ids)
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = list(out.prompt_logprobs)  # type: ignore[arg-type]
+            self.prompt_logprobs = list(out.prompt_logprobs)
         if not out.outputs:
             return
         delta = out.outputs[0]

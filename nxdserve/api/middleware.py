@@ -7,6 +7,7 @@ import importlib
 import inspect
 import secrets
 from collections.abc import Sequence
+from typing import Protocol, TypeGuard
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
@@ -15,6 +16,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nxdserve.api.errors import APIError
 from nxdserve.errors import ConfigError
+
+
+class _MiddlewareClass(Protocol):
+    """An ASGI middleware class: called with the app it wraps, it is an ASGI app itself."""
+
+    def __call__(self, app: ASGIApp, /) -> ASGIApp: ...
+
+
+def _is_middleware_class(target: object) -> TypeGuard[_MiddlewareClass]:
+    return inspect.isclass(target)
+
 
 GUARDED_PREFIXES = ("/v1",)  # vLLM guards /v1 only: /health, /metrics, /tokenize stay open
 
@@ -34,7 +46,7 @@ def load_user_middleware(import_path: str) -> Middleware:
         target = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(f"--middleware {import_path!r}: cannot import it: {exc}") from exc
-    if inspect.isclass(target):
+    if _is_middleware_class(target):
         return Middleware(target)
     if inspect.iscoroutinefunction(target):
         return Middleware(BaseHTTPMiddleware, dispatch=target)

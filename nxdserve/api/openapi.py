@@ -41,7 +41,7 @@ _ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
     ("/health", "get", "200 while the engine loop runs, 503 once it died", None, None, False),
     ("/metrics", "get", "Prometheus metrics (vLLM's names)", None, None, False),
 ]
-_STREAM_CHUNKS = {
+_STREAM_CHUNKS: dict[str, type[BaseModel]] = {
     "/v1/completions": responses.CompletionStreamResponse,
     "/v1/chat/completions": responses.ChatCompletionStreamResponse,
 }

@@ -17,6 +17,7 @@ from nxdserve.api.protocol import (
 )
 from nxdserve.api.structured import structured_outputs_of
 from nxdserve.sampling_params import OutputKind, SamplingParams
+from nxdserve.tools.flags import check_chat_template_flags
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 # Each choice is one engine request; bound the fan-out so one request cannot flood the queue.
@@ -74,11 +75,7 @@ def check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
     if not req.messages:
         raise APIError("messages must contain at least one message.", param="messages")
-    if req.add_generation_prompt and req.continue_final_message:
-        raise APIError(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-            param="continue_final_message",
-        )
+    check_chat_template_flags(req.add_generation_prompt, req.continue_final_message)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     if req.chat_template is not None:
@@ -92,9 +89,9 @@ def normalize_prompts(prompt: CompletionPrompt | None, vocab_size: int) -> list[
     if isinstance(prompt, str):
         prompts: list[PromptInput] = [prompt]
     elif all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
+        prompts = [[int(p) for p in prompt if isinstance(p, int)]]
     else:
-        prompts = [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+        prompts = [p if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
     for p in prompts:
         if len(p) == 0:
             raise APIError(EMPTY_PROMPT_MESSAGE, param="prompt")

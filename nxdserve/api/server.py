@@ -34,7 +34,9 @@ from typing import Any, TypeVar
 import uvicorn
 
 from nxdserve.api.app import create_app
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.api.multimodal import MediaOptions
+from nxdserve.config import EngineConfig
 
 logger = logging.getLogger("nxdserve.server")
 T = TypeVar("T")
@@ -53,7 +55,7 @@ def event_loop_factory(use_uvloop: bool | None = None) -> Callable[[], asyncio.A
         import uvloop
     except ImportError:
         return None
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return uvloop.new_event_loop
 
 
 def run_server_loop(main: Callable[[], Coroutine[Any, Any, T]], use_uvloop: bool | None = None) -> T:
@@ -101,7 +103,9 @@ class ServeOptions:
 
 
 class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: Any, drain_timeout: float, on_ready: Callable[[], None]):
+    def __init__(
+        self, config: uvicorn.Config, engine: EngineClient, drain_timeout: float, on_ready: Callable[[], None]
+    ):
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
@@ -139,7 +143,7 @@ async def _report_progress(started: float) -> None:
         logger.info("still loading the model ... %.0fs", time.monotonic() - started)
 
 
-async def start_engine(engine_config: Any) -> Any:
+async def start_engine(engine_config: EngineConfig) -> EngineClient:
     """Create and start an AsyncEngine, logging progress while the model loads."""
     from nxdserve.engine.dp import create_engine
 
@@ -281,7 +285,7 @@ class BackgroundServer:
     def __init__(self, engine_config: Any, opts: ServeOptions | None = None) -> None:
         self.engine_config = engine_config
         self.opts = opts or ServeOptions(host="127.0.0.1", port=0, log_requests=False, log_level="warning")
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: _DrainingServer | None = None

@@ -12,18 +12,18 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.api.errors import APIError, format_validation_error, model_not_found
 from nxdserve.api.multimodal import MediaOptions
 
 logger = logging.getLogger("nxdserve.requests")
 
-REQUEST_ID_HEADER = "x-request-id"
 M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
 class ServerState:
-    engine: Any  # nxdserve.AsyncEngine (duck-typed so framing tests can use a stand-in)
+    engine: EngineClient  # AsyncEngine or DataParallelEngine (tests may pass a stand-in)
     served_model_names: list[str]
     api_key: str | list[str] | None = None
     log_requests: bool = False
@@ -67,7 +67,7 @@ class ServerState:
 
 
 def get_state(request: Request) -> ServerState:
-    return request.app.state.nxdserve  # type: ignore[no-any-return]
+    return request.app.state.nxdserve
 
 
 def client_request_id(request: Request) -> str | None:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.api.generation import ChoiceState, EngineCall, RequestStream, abort_all, collect, start_requests
 
 logger = logging.getLogger(__name__)
@@ -157,8 +158,8 @@ class ResponseView(Protocol):
     def response(self, states: Sequence[ChoiceState]) -> BaseModel: ...
 
 
-async def respond(request: Request, engine: Any, calls: Sequence[EngineCall], view: ResponseView,
-                  stream: bool) -> Response:
+async def respond(request: Request, engine: EngineClient, calls: Sequence[EngineCall], view: ResponseView,
+                  stream: bool) -> Response | EventStreamResponse:
     """Start every engine request of an API request, then stream its frames or return one JSON body.
     Every engine request is aborted when the response ends, however it ends (a no-op for finished ones)."""
     streams = start_requests(engine, calls)

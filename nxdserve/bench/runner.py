@@ -54,18 +54,6 @@ class BenchResult:
     tokenizer_name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def group_metrics(self, group: str) -> BenchmarkMetrics:
-        """Metrics over one request group (e.g. the short requests of a mixed load), same duration."""
-        idx = [i for i, r in enumerate(self.records) if r.group == group]
-        return calculate_metrics(
-            [self.records[i] for i in idx],
-            [self.output_lens[i] for i in idx],
-            self.duration_s,
-            self.config.percentiles,
-            self.config.goodput or None,
-            self.config.metric_names,
-        )
-
 
 def token_counter(tokenizer: BenchTokenizer | None) -> Callable[[str], int] | None:
     """Counts generated tokens by re-tokenizing, for servers that report no usage."""

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -56,9 +56,6 @@ class MetricsHub:
     def report(self, replica: str, text: str) -> None:
         self._latest[replica] = (time.monotonic(), text)
 
-    def forget(self, replica: str) -> None:
-        self._latest.pop(replica, None)
-
     def collect(self) -> dict[str, str]:
         cutoff = time.monotonic() - _METRICS_STALE_S
         self._latest = {k: v for k, v in self._latest.items() if v[0] >= cutoff}
@@ -67,8 +64,11 @@ class MetricsHub:
 
 @serve.deployment(name="NxdServeEngine")
 class NxdServeEngine:
-    async def __init__(self, engine_config: dict[str, Any], metrics_hub: DeploymentHandle | None = None,
-                       api_key: str | None = None, drain_timeout_s: float = 30.0) -> None:
+    # Ray Serve awaits an async __init__; mypy's rule that __init__ returns None does not know that.
+    async def __init__(  # type: ignore[misc]
+        self, engine_config: dict[str, Any], metrics_hub: DeploymentHandle | None = None,
+        api_key: str | None = None, drain_timeout_s: float = 30.0,
+    ) -> None:
         from nxdserve.api.app import create_app
         from nxdserve.engine.async_engine import AsyncEngine
 
@@ -128,6 +128,7 @@ class OpenAIIngress:
         forwarded = ForwardedRequest.build(request.method, request.url.path, request.url.query.encode(),
                                            list(request.headers.raw), body)
         events = self.engine.remote(forwarded)
+        assert isinstance(events, DeploymentResponseGenerator)  # the handle has stream=True
         try:
             start = await events.__anext__()
         except Exception as exc:  # the replica died (or never answered) before a byte was sent
@@ -205,10 +206,12 @@ def build_app(args: dict[str, Any]) -> Any:
         options["num_replicas"] = int(args.get("num_replicas", 1))
     if _truthy(args.get("prefix_aware", False)):
         options["request_router_config"] = {"request_router_class": prefix_aware_router()}
-    hub = MetricsHub.bind()
-    engine = NxdServeEngine.options(**options).bind(engine_config, hub, args.get("api_key"),
+    # ray's stubs type @serve.deployment as returning the class itself, not the Deployment it makes.
+    hub = MetricsHub.bind()  # type: ignore[attr-defined]
+    engine_options = NxdServeEngine.options(**options)  # type: ignore[attr-defined]
+    engine = engine_options.bind(engine_config, hub, args.get("api_key"),
                                                     float(args.get("drain_timeout_s", 30.0)))
-    return OpenAIIngress.bind(engine, hub)
+    return OpenAIIngress.bind(engine, hub)  # type: ignore[attr-defined]
 
 
 def prefix_aware_router() -> str:

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.core import (
@@ -51,10 +51,15 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return a
 
 
-class RequestStream:
-    """Async iterator over one request's outputs. Closing it before the end aborts the request."""
+class _Aborts(Protocol):
+    def abort(self, request_id: str) -> None: ...
 
-    def __init__(self, engine: AsyncEngine, request_id: str, merge_deltas: bool) -> None:
+
+class RequestStream:
+    """Async iterator over one request's outputs (from AsyncEngine or the data-parallel engine). Closing it
+    before the end aborts the request."""
+
+    def __init__(self, engine: _Aborts, request_id: str, merge_deltas: bool) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -121,8 +126,9 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxdserve-model")
         loop = asyncio.get_running_loop()
         # Load in the model thread: heavy, and some backends bind state to the thread that loads them.
-        self.core, files = await loop.run_in_executor(self._executor, build_engine_core, self.config)
-        await loop.run_in_executor(self._executor, self.core.backend.own_thread)
+        core, files = await loop.run_in_executor(self._executor, build_engine_core, self.config)
+        self.core = core
+        await loop.run_in_executor(self._executor, core.backend.own_thread)
         self.model_path = str(files.path)
         self.tokenizer = files.tokenizer
         self.generation_defaults = files.generation_defaults
@@ -132,11 +138,11 @@ class AsyncEngine:
         for lora_request in self.config.lora_modules:  # --lora-modules
             await self.add_lora(lora_request)
         self._accepting = True
-        self.core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
+        core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
         self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
         logger.info(
             "engine ready: backend=%s mode=%s max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
-            self.backend_name, self.config.scheduling_mode, self.max_model_len, self.core.num_slots,
+            self.backend_name, self.config.scheduling_mode, self.max_model_len, core.num_slots,
             self.config.max_num_batched_tokens,
         )
 
@@ -213,11 +219,9 @@ class AsyncEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError(
-                "continue_final_message and add_generation_prompt cannot both be true.",
-                param="continue_final_message",
-            )
+        from nxdserve.tools.flags import check_chat_template_flags
+
+        check_chat_template_flags(add_generation_prompt, continue_final_message)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -379,7 +383,7 @@ class AsyncEngine:
             try:
                 op = steps.throw(error) if error is not None else steps.send(value)
             except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+                return stop.value
             value = error = None
             if isinstance(op, RunInWorker):
                 if op.forward:

@@ -101,7 +101,7 @@ def run_inline(steps: Driven[T]) -> T:
         try:
             op = steps.throw(error) if error is not None else steps.send(value)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         value = error = None
         if isinstance(op, RunInWorker):
             try:

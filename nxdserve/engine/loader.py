@@ -30,7 +30,7 @@ class ModelFiles:
 def load_model_files(config: EngineConfig) -> ModelFiles:
     from transformers import AutoTokenizer
 
-    from nxdserve.model_files import load_hf_config, resolve_model
+    from nxdserve.model_files import eos_token_ids, load_hf_config, resolve_model
 
     path = Path(resolve_model(config.model, revision=config.revision, download_dir=config.download_dir))
     tokenizer_path = path
@@ -50,11 +50,7 @@ def load_model_files(config: EngineConfig) -> ModelFiles:
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigError(f"the tokenizer at {tokenizer_path} has no fast (tokenizers) backend")
     hf_config = load_hf_config(path)
-    eos_ids: list[int] = []
-    gen_file = path / "generation_config.json"
-    if gen_file.exists():
-        eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = sorted(eos_token_ids(path))  # the core adds the tokenizer's and the backend's
     defaults = generation_defaults(config, path)
     return ModelFiles(path, tokenizer, hf_config, defaults, eos_ids)
 

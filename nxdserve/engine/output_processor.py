@@ -144,7 +144,7 @@ class OutputProcessor:
         state.sent_logprobs = len(state.logprobs) if state.logprobs is not None else 0
         prompt_logprobs = None
         if state.prompt_logprobs is not None and (not state.prompt_logprobs_sent or not delta):
-            prompt_logprobs = [None, *state.prompt_logprobs]  # type: ignore[list-item]
+            prompt_logprobs = [None, *state.prompt_logprobs]
             state.prompt_logprobs_sent = True
         completion = CompletionOutput(
             index=0,

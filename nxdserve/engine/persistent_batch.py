@@ -128,14 +128,6 @@ class PersistentBatch:
         self.token_ids[slot, start : start + len(token_ids)] = token_ids
         self.num_tokens[slot] = start + len(token_ids)
 
-    def set_drafts(self, slot: int, draft_token_ids: list[int]) -> None:
-        """Drafts sit right after the last real token; num_tokens does not count them."""
-        start = int(self.num_tokens[slot])
-        self.token_ids[slot, start : start + len(draft_token_ids)] = draft_token_ids
-
     # -- views read by backends --------------------------------------------------------------------
     def num_output_tokens(self, slots: np.ndarray) -> np.ndarray:
         return self.num_tokens[slots] - self.num_prompt_tokens[slots]
-
-    def num_active(self) -> int:
-        return int(self.active.sum())

@@ -322,6 +322,7 @@ class Scheduler:
         drafting: list[tuple[int, list[int]]] = []
         for i, (request, num_new) in enumerate(rows):
             computed = request.num_computed_tokens
+            assert request.slot is not None, "a scheduled request holds a slot"
             slots[i] = request.slot
             start[i] = computed
             num_scheduled[i] = num_new

@@ -281,7 +281,9 @@ class _Target:
         from nxdserve.model_files import resolve_model
 
         path = resolve_model(args.model, progress=not args.no_progress)
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(args.dtype, device)).to(device)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(args.dtype, device))
+        # transformers' stub types the wrapped Module.to as taking a model; it takes a device, as torch's does.
+        hf = hf.to(device)  # type: ignore[arg-type]
         hf.eval()
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         eos = hf.generation_config.eos_token_id

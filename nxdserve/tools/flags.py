@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nxdserve.errors import ConfigError
+from nxdserve.errors import ConfigError, InvalidRequestError
 
 GRAMMAR_BACKENDS = frozenset({"auto", "guidance", "llguidance"})  # what nxdserve runs: llguidance
 STRUCTURED_OUTPUTS_KEYS = frozenset({"backend", "disable_any_whitespace", "disable_additional_properties",
@@ -105,3 +105,12 @@ def read_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
     return value
+
+
+def check_chat_template_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """The one check of the chat template's two mutually exclusive switches (vLLM's wording)."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )

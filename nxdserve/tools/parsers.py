@@ -23,7 +23,7 @@ from nxdserve.tools.jsonscan import skip_ws
 def _guarded(parse: Any, text: str, final: bool) -> ParsedOutput:
     """A final parse that meets a malformed call gives the whole text as content and no calls."""
     try:
-        return parse(text, final)  # type: ignore[no-any-return]
+        return parse(text, final)
     except MalformedToolCall:
         if final:
             return ParsedOutput(text, [])

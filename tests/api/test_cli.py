@@ -104,6 +104,21 @@ def test_subcommands_dispatch_lazily(monkeypatch: pytest.MonkeyPatch, capsys: py
     assert "not available" in capsys.readouterr().err
 
 
+def test_bench_without_its_extra_names_the_pip_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As on an install without the `bench` extra: aiohttp cannot be imported, nor the modules that use it.
+    for name in [m for m in sys.modules if m == "aiohttp" or m.startswith(("aiohttp.", "nxdserve.bench"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    assert cli.main(["bench", "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "aiohttp" in err and "pip install 'nxdserve[bench]'" in err
+    monkeypatch.setitem(cli.SUBCOMMANDS, "train-eagle", ("tests.api.needs_aiohttp", "main"))
+    with pytest.raises(ModuleNotFoundError):  # a subcommand without an extra shows the import error itself
+        cli.main(["train-eagle"])
+
+
 def test_serve_alias_accepts_a_positional_model(monkeypatch: pytest.MonkeyPatch) -> None:
     captured: dict[str, object] = {}
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import httpx
 import pytest
 from openai import AsyncOpenAI
 
+import nxdserve
 from tests.api.conftest import MAX_MODEL_LEN, MODEL_NAME
 
 pytestmark = pytest.mark.anyio
@@ -38,7 +41,9 @@ async def test_models_list(client: AsyncOpenAI, http: httpx.AsyncClient) -> None
 async def test_health_version_openapi(http: httpx.AsyncClient) -> None:
     health = await http.get("/health")
     assert health.status_code == 200 and health.content == b""
-    assert (await http.get("/version")).json()["version"]
+    # One source: the installed distribution's version (pyproject.toml), as nxdserve.__version__ reports it.
+    served = (await http.get("/version")).json()["version"]
+    assert served == nxdserve.__version__ == importlib.metadata.version("nxdserve")
     schema = (await http.get("/openapi.json")).json()
     assert schema["openapi"].startswith("3.")
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(schema["paths"])

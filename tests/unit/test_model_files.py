@@ -151,3 +151,16 @@ def test_real_conversion_into_a_fresh_cache(tmp_path: Path, monkeypatch: pytest.
     assert json.loads((path / COMPLETE_MARKER).read_text())["conversion_version"] == model_files.CONVERSION_VERSION
     model = LlamaFamilyModel.from_pretrained(path, torch.float32, torch.device("cpu"))
     assert model.vocab_size == 49152
+
+
+def test_eos_token_ids_gathers_both_configs_and_the_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+
+    class Tokenizer:
+        eos_token_id = 7
+
+    assert model_files.eos_token_ids(tmp_path, Tokenizer()) == {2, 3, 5, 7}
+    assert model_files.eos_token_ids(tmp_path) == {2, 3, 5}
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert model_files.eos_token_ids(tmp_path) == {2, 3}

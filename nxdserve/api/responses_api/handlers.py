@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,14 +27,14 @@ from nxdserve.api.responses_api.protocol import (
 )
 from nxdserve.api.responses_api.store import ResponseStore, StoredResponse
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
-from nxdserve.api.streaming import respond
+from nxdserve.api.streaming import EventStreamResponse, respond
 
 
 def _store(state: ServerState) -> ResponseStore:
-    return state.responses  # type: ignore[no-any-return]
+    return state.responses
 
 
-async def create_response(request: Request) -> Response:
+async def create_response(request: Request) -> Response | EventStreamResponse:
     state = get_state(request)
     req = await parse(request, ResponsesRequest)
     model = state.resolve_model(req.model)
@@ -104,7 +104,7 @@ class _ResponsesView:
     def finish(self, st: ChoiceState) -> ResponseObject:
         """The final response object, stored unless ``store`` is false."""
         incomplete = st.finish_reason == "length"
-        status = "incomplete" if incomplete else "completed"
+        status: Literal["incomplete", "completed"] = "incomplete" if incomplete else "completed"
         message = OutputMessage(id=self.message_id, status=status, content=[OutputText(text=st.text)])
         prompt_tokens = len(st.prompt_token_ids)
         response = self.skeleton.model_copy(

@@ -11,7 +11,6 @@ decode path.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from nxdserve.engine.step import BackendCapabilities, LogprobsBlock, StepPlan, S
 from nxdserve.engine.structured.mask import TokenMask
 from nxdserve.errors import ConfigError
 from nxdserve.lora.stack import LoraStack
+from nxdserve.model_files import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,10 @@ PROMPT_LOGPROBS_BLOCK = 256
 
 class SamplerLike(Protocol):
     """What the backend needs from ``nxdserve.engine.sampling.sampler.Sampler``."""
+
+    vocab_size: int
+
+    def plain_greedy(self, slots: np.ndarray, batch: PersistentBatch) -> bool: ...
 
     def sample(
         self, logits: torch.Tensor, slots: np.ndarray, batch: PersistentBatch, token_mask: TokenMask | None = None
@@ -120,7 +124,7 @@ class TorchBackend(Backend):
             chunked_prefill=True,
             supports_draft_verification=True,
             draft_alternatives=True,
-            eos_token_ids=_eos_token_ids(model_path),
+            eos_token_ids=tuple(sorted(eos_token_ids(model_path))),
         )
         # Multi-LoRA: the adapters' stacked buffers; each slot's adapter rides the persistent batch (lora_slot).
         self.lora_stack = (
@@ -238,9 +242,9 @@ class TorchBackend(Backend):
             target = torch.zeros(rows.sampled.size, rows.width, dtype=torch.long)  # padding: argmax of zeros
             target[torch.from_numpy(verify_valid)] = greedy
             _, num_drafts, draft_ids = self._drafts(batch, rows)
-            out = accept_greedy(target, torch.from_numpy(draft_ids), torch.from_numpy(num_drafts))
-            out_tokens[rows.sampled] = out.token_ids.numpy()
-            num_sampled[rows.sampled] = out.num_tokens.numpy()
+            accepted = accept_greedy(target, torch.from_numpy(draft_ids), torch.from_numpy(num_drafts))
+            out_tokens[rows.sampled] = accepted.token_ids.numpy()
+            num_sampled[rows.sampled] = accepted.num_tokens.numpy()
         elif logits is not None:
             if rows.width == 1:  # no drafts anywhere: plain sampling
                 out = self.sampler.sample(logits, rows.slots[rows.sampled], batch, _mask(plan, rows))
@@ -464,20 +468,6 @@ class _Alternatives:
     def accepted(self, out_tokens: np.ndarray, num_sampled: np.ndarray) -> np.ndarray:
         """Alternatives that won: their row rejected its first draft and emitted exactly them."""
         return np.flatnonzero((num_sampled[self.row] == 1) & (out_tokens[self.row, 0] == self.token_ids))
-
-
-def _eos_token_ids(model_path: Path) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        file = Path(model_path) / name
-        if not file.is_file():
-            continue
-        value = json.loads(file.read_text()).get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return tuple(sorted(ids))
 
 
 def _with_width(block: LogprobsBlock | None) -> LogprobsBlock | None:

@@ -22,16 +22,17 @@ from types import SimpleNamespace
 from typing import Any
 
 from nxdserve.config import EngineConfig
-from nxdserve.engine.async_engine import AsyncEngine
+from nxdserve.engine.async_engine import AsyncEngine, RequestStream
 from nxdserve.engine.core import EngineCore, EngineStats
 from nxdserve.engine.dp.metrics import labelled_registry
 from nxdserve.engine.dp.placement import Placement, plan
 from nxdserve.engine.dp.protocol import EngineFacts, from_wire
 from nxdserve.engine.dp.worker import run_engine_process
-from nxdserve.engine.outputs import RequestOutput
 from nxdserve.engine.prompts import PromptInput, parse_prompt
 from nxdserve.engine.structured import GrammarCompiler
 from nxdserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from nxdserve.lora.request import LoRARequest
+from nxdserve.model_files import eos_token_ids
 from nxdserve.sampling_params import SamplingParams
 from nxdserve.tools.flags import read_chat_template
 
@@ -39,40 +40,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESTARTS = 3
 _EXIT_WAIT_S = 10.0
-
-
-class DataParallelStream:
-    """One request's outputs as they arrive from its engine process; closing it early aborts the request."""
-
-    def __init__(self, engine: DataParallelEngine, request_id: str) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> DataParallelStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.abort()
+_NO_LORA = "LoRA adapters are not served with --data-parallel-size > 1 (run one server per replica)."
 
 
 @dataclass
@@ -86,7 +54,7 @@ class _EngineProcessHandle:
     gave_up: bool = False
     restarts: int = 0
     last_error: str | None = None
-    streams: dict[str, DataParallelStream] = field(default_factory=dict)
+    streams: dict[str, RequestStream] = field(default_factory=dict)
     stats: EngineStats | None = None
     metrics_text: str = ""
     started: asyncio.Future[None] | None = None
@@ -146,8 +114,8 @@ class DataParallelEngine:
             await self.shutdown(drain_timeout=0)
             raise
         facts = self._facts
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        self._grammars = GrammarCompiler(self.tokenizer, facts.vocab_size, frozenset([] if eos is None else [eos]))
+        eos = eos_token_ids(facts.model_path, self.tokenizer)  # what each engine's core gathers too
+        self._grammars = GrammarCompiler(self.tokenizer, facts.vocab_size, eos)
         self.model_path = facts.model_path
         self.generation_defaults = dict(facts.generation_defaults)
         self._accepting = True
@@ -275,7 +243,7 @@ class DataParallelEngine:
         except EngineDeadError as exc:
             logger.error("%s", exc)
 
-    def _release(self, handle: _EngineProcessHandle, request_id: str) -> DataParallelStream | None:
+    def _release(self, handle: _EngineProcessHandle, request_id: str) -> RequestStream | None:
         self._owner.pop(request_id, None)
         return handle.streams.pop(request_id, None)
 
@@ -311,12 +279,14 @@ class DataParallelEngine:
             raise QueueFullError(f"The waiting queue is full ({self.config.max_waiting} requests); retry later.")
 
     def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                    add_special_tokens: bool = True) -> DataParallelStream:
+                    add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and send to the least loaded engine now; raises a typed error instead of returning a stream."""
         import uuid
 
         if not self._accepting:
             raise EngineDeadError("the engine is not accepting requests (starting or shutting down)")
+        if lora_request is not None:  # refused at start-up too (dp.args): each engine would hold its own adapters
+            raise InvalidRequestError(_NO_LORA, param="model")
         parsed = parse_prompt(prompt)
         if parsed.images:  # the engines serve text-only models (AsyncEngine.accepts_images)
             raise InvalidRequestError(
@@ -327,7 +297,7 @@ class DataParallelEngine:
         request_id = request_id or uuid.uuid4().hex
         token_ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) and prompt else prompt
         self._validate(handle, list(token_ids or []), dataclasses.replace(params), request_id)
-        stream = DataParallelStream(self, request_id)
+        stream = RequestStream(self, request_id, merge_deltas=False)  # outputs arrive one message each
         assert handle.conn is not None
         try:
             handle.conn.send(("add", request_id, prompt, params, add_special_tokens))
@@ -342,9 +312,20 @@ class DataParallelEngine:
         if params.structured_outputs is not None and self._grammars is not None:
             await self._grammars.compile_async(params.structured_outputs)
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        raise InvalidRequestError(_NO_LORA, param="lora_name")
+
+    async def remove_lora(self, lora_name: str) -> None:
+        raise InvalidRequestError(_NO_LORA, param="lora_name")
+
+    def list_loras(self) -> list[LoRARequest]:
+        return []
+
     generate = AsyncEngine.generate
     apply_chat_template = AsyncEngine.apply_chat_template
-    encode = AsyncEngine.encode
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def abort(self, request_id: str) -> None:
         """Idempotent; unknown ids are ignored. The engine answers with the request's final "abort" output."""
@@ -376,10 +357,6 @@ class DataParallelEngine:
     @property
     def backend_name(self) -> str:
         return self._facts.backend_name
-
-    @property
-    def num_engines(self) -> int:
-        return len(self.handles)
 
     def outstanding(self) -> list[int]:
         """Requests in flight per engine (what the router balances)."""

@@ -16,8 +16,11 @@ from nxdserve import errors
 
 WireError = tuple[str, str, str | None]
 
-_TYPED = {cls.__name__: cls for cls in (errors.InvalidRequestError, errors.RequestTooLongError,
-                                          errors.QueueFullError, errors.EngineDeadError, errors.RequestFailedError)}
+_TYPED: dict[str, type[errors.NxdServeError]] = {
+    cls.__name__: cls
+    for cls in (errors.InvalidRequestError, errors.RequestTooLongError, errors.QueueFullError,
+                errors.EngineDeadError, errors.RequestFailedError)
+}
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,7 @@ def check_layouts(lib: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]] |
         c_side.setdefault(e.type.decode(), {})[field] = (e.offset, e.size)
     for name, struct in structs.items():
         py_side: dict[str | None, tuple[int, int]] = {None: (0, ctypes.sizeof(struct))}
-        for field_name, _ in struct._fields_:
+        for field_name, *_ in struct._fields_:  # (name, type[, bit width])
             descr = getattr(struct, field_name)
             py_side[field_name] = (descr.offset, descr.size)
         if c_side.get(name) != py_side:

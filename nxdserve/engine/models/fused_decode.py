@@ -127,7 +127,8 @@ class FusedDecode:
                     pointers.append(None if p is None else (gemm.pack(p) if j in packed else p).data_ptr())
                 pointers += [k_cache.data_ptr(), v_cache.data_ptr()]
                 for j in sorted(packed):  # their compressed copies, where the tiles read them
-                    blob = None if params[j] is None else gemm.compressed(params[j])
+                    weight = params[j]
+                    blob = None if weight is None else gemm.compressed(weight)
                     pointers.append(None if blob is None else blob.data_ptr())
                 windows.append(layer.window or 0)
             table = (ctypes.c_void_p * len(pointers))(*pointers)

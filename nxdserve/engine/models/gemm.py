@@ -40,7 +40,7 @@ def uses_amx() -> bool:
     return available() and lib is not None and bool(lib.gemm_amx())
 
 
-def _kept(weight: torch.Tensor, attr: str, build: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def kept(weight: torch.Tensor, attr: str, build: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``build(weight)``, made once and kept on the weight tensor, keyed by its version counter (an in-place
     update, such as loading, rebuilds it on the next call); modules sharing a weight share the copy."""
     entry = getattr(weight, attr, None)
@@ -53,8 +53,8 @@ def _kept(weight: torch.Tensor, attr: str, build: Callable[[torch.Tensor], torch
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (N, K) as (ceil(N/48), ceil(K/2), 48, 2): panels of 48 columns, k in pairs, zero-padded;
-    kept on the weight (``_kept``)."""
-    return _kept(weight, _ATTR, _pack)
+    kept on the weight (``kept``)."""
+    return kept(weight, _ATTR, _pack)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def compress(weight: torch.Tensor) -> torch.Tensor | None:
     kept on the weight like the packed copy. None where K is not a multiple of 32."""
     if weight.shape[1] % (2 * CW_STEP_PAIRS):
         return None
-    return _kept(weight, _CW_ATTR, _compress)
+    return kept(weight, _CW_ATTR, _compress)
 
 
 def _compress(weight: torch.Tensor) -> torch.Tensor:

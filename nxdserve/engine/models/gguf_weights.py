@@ -111,6 +111,7 @@ def load_quantized_linears(path: Path, num_heads: int, num_kv_heads: int) -> dic
         parts.setdefault(f"layers.{pieces[1]}.{attr}", {})[position] = (kind, codes, scale, offset)
     for key, by_position in parts.items():
         ordered = [by_position[i] for i in sorted(by_position)]
-        codes, scale, offset = (torch.cat([p[j] for p in ordered]) for j in (1, 2, 3))
+        codes, scale, offset = (torch.cat([part[1] for part in ordered]), torch.cat([part[2] for part in ordered]),
+                                torch.cat([part[3] for part in ordered]))
         out[key] = int4_from_codes(codes, scale, offset, BLOCK, codes.shape[1])
     return out

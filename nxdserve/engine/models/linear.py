@@ -47,10 +47,8 @@ def _available() -> bool:
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of ``weight`` (out, in), or None where packing does not apply."""
-    entry = getattr(weight, _ATTR, None)
-    if entry is not None and entry[0] == weight._version:
-        return entry[1]
+    """The oneDNN-packed copy of ``weight`` (out, in), kept on the weight like gemm's panels (``gemm.kept``),
+    or None where packing does not apply."""
     if (
         not enabled
         or weight.requires_grad
@@ -60,10 +58,12 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
         or not _available()
     ):
         return None
+    return gemm.kept(weight, _ATTR, _reorder_for_onednn)
+
+
+def _reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-    setattr(weight, _ATTR, (weight._version, packed))
-    return packed
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
 def drop_packed(weight: torch.Tensor) -> None:
@@ -92,8 +92,10 @@ def linear(
     lead = x.shape[:-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     res2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
-    out = gemm.matmul(x2, weight, bias, res2)
-    if out is None:
+    fast = gemm.matmul(x2, weight, bias, res2)
+    if fast is not None:
+        out = fast
+    else:
         out = _onednn_linear(x2, weight, bias)
         if res2 is not None:
             out = out + res2

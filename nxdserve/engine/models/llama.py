@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _SKIP = nn.Parameter(torch.empty(0), requires_grad=False)  # "known tensor, not needed"
 
 
+class _Placement(TypedDict):
+    dtype: torch.dtype
+    device: torch.device
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -68,7 +73,8 @@ class DecoderLayer(nn.Module):
         self, spec: ModelSpec, window: int | None, dtype: torch.dtype, device: torch.device, index: int = 0
     ) -> None:
         super().__init__()
-        s, kw = spec, {"dtype": dtype, "device": device}
+        s = spec
+        kw: _Placement = {"dtype": dtype, "device": device}
         self.spec = spec
         self.window = window
         self.index = index  # in its stack: where its draft alternatives' K/V go
@@ -205,11 +211,10 @@ class LlamaFamilyModel(nn.Module):
         self.dtype = dtype
         self.device = device
         self.max_len = max_len or spec.max_position_embeddings
-        kw = {"dtype": dtype, "device": device}
+        kw: _Placement = {"dtype": dtype, "device": device}
         self.embed_weight = _param(spec.vocab_size, spec.hidden_size, **kw)
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, w, dtype, device, index=i) for i, w in enumerate(spec.sliding_windows)
-        )
+        layers = [DecoderLayer(spec, w, dtype, device, index=i) for i, w in enumerate(spec.sliding_windows)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         # Tied embeddings share one tensor; untied heads get their own.
         self.lm_head_weight = (
@@ -220,7 +225,7 @@ class LlamaFamilyModel(nn.Module):
         self.windows = frozenset(spec.sliding_windows)
         self.greedy_head = GreedyHead(self.lm_head_weight)
         self.lm_head_quant: QuantLinear | None = None  # set by quantize_linears (the head's quantized copy)
-        self.fused_decode = FusedDecode(spec, self.layers, self.rope, final_norm=self.norm)
+        self.fused_decode = FusedDecode(spec, layers, self.rope, final_norm=self.norm)
 
     @classmethod
     def from_pretrained(

@@ -98,7 +98,9 @@ class Qwen2VLModel(nn.Module):
         if scaling != 1.0:
             raise ConfigError("Scaled multimodal RoPE is not supported.")
         self.mrope = MRopeTables(inv_freq, mrope_section, dtype)
-        self.visual = Qwen2VisionTransformerPretrainedModel(hf_config.vision_config).to(dtype=dtype, device=device)
+        visual = Qwen2VisionTransformerPretrainedModel(hf_config.vision_config)
+        # transformers types PreTrainedModel.to with its own decorator, which mypy cannot call through.
+        self.visual = visual.to(dtype=dtype, device=device)  # type: ignore[call-arg]
         self.visual.eval()
         self.image_token_id = int(hf_config.image_token_id)
         self.merge_size = int(hf_config.vision_config.spatial_merge_size)
@@ -137,7 +139,7 @@ class Qwen2VLModel(nn.Module):
         """The processor's patches -> one feature row per image token (all images, in order)."""
         out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=image_grid_thw.to(self.device))
         features = out if isinstance(out, torch.Tensor) else out.pooler_output
-        return features  # type: ignore[no-any-return]
+        return features
 
     @torch.inference_mode()
     def prefill_logits(

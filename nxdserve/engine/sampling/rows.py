@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from nxdserve.engine.persistent_batch import PersistentBatch
-
-GREEDY_EPS = 1e-5  # the batch writes 0.0 for greedy; anything this small would be argmax anyway
+from nxdserve.sampling_params import GREEDY_EPS
 
 
 @dataclass
@@ -84,7 +83,7 @@ def _csr(lists: list[np.ndarray], dtype: type) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter((a.shape[0] for a in lists), dtype=np.int64, count=len(lists))
     offsets = np.zeros(len(lists) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(lists).astype(dtype) if lists else np.zeros(0, dtype=dtype)
+    values: np.ndarray = np.concatenate(lists).astype(dtype) if lists else np.zeros(0, dtype=dtype)
     return offsets, values
 
 

@@ -120,7 +120,7 @@ class SpeculativeProposer(abc.ABC):
             return None
         return DraftRows(
             requests=chosen,
-            slots=np.fromiter((r.slot for r in chosen), dtype=np.int64, count=len(chosen)),  # type: ignore[misc]
+            slots=np.fromiter((r.slot for r in chosen), dtype=np.int64, count=len(chosen)),
             num_tokens=np.fromiter((r.num_tokens for r in chosen), dtype=np.int64, count=len(chosen)),
             k=np.asarray(ks, dtype=np.int64),
         )

@@ -24,13 +24,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from nxdserve.errors import ConfigError
 
 Method = Literal["ngram", "draft_model", "eagle", "eagle3"]
 # eagle3 is accepted for backends that run it fused (NxD); the torch backend has no EAGLE-3 proposer.
 METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle", "eagle3")
+
+
+def _is_method(value: object) -> TypeGuard[Method]:
+    return value in METHODS
 # vLLM's verifier handles at most 32 drafts per step (MAX_SPEC_LEN); more never pays anyway.
 MAX_SPECULATIVE_TOKENS = 32
 # vLLM's n-gram defaults when neither bound is given.
@@ -107,7 +111,7 @@ class SpeculativeConfig:
         method = d.get("method")
         if method is None:
             method = _infer_method(d)
-        if method not in METHODS:
+        if not _is_method(method):
             raise _spec_error(f"method must be one of {list(METHODS)}, got {method!r}.")
 
         k = _int_field(d, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
@@ -239,11 +243,6 @@ class SpeculativeConfig:
         from nxdserve.model_files import load_hf_config, resolve_model
 
         return load_hf_config(resolve_model(self.model))
-
-    @property
-    def uses_draft_kv(self) -> bool:
-        """Proposers that keep their own per-slot KV (everything but n-gram)."""
-        return self.method != "ngram"
 
 
 def _infer_method(d: dict[str, Any]) -> str:

@@ -155,7 +155,7 @@ class EagleHead(nn.Module):
         if self.fc_bias is not None:
             out["fc.bias"] = self.fc_bias.detach()
         if self.input_norm:
-            out[p + "input_layernorm.weight"] = layer.input_norm.weight.detach()  # type: ignore[union-attr]
+            out[p + "input_layernorm.weight"] = layer.input_norm.weight.detach()
         return {name: t.contiguous() for name, t in out.items()}
 
     @torch.no_grad()
@@ -172,7 +172,7 @@ class EagleHead(nn.Module):
         if self.fc_bias is not None:
             wanted["fc.bias"] = self.fc_bias
         if self.input_norm:
-            wanted[p + "input_layernorm.weight"] = layer.input_norm.weight  # type: ignore[union-attr]
+            wanted[p + "input_layernorm.weight"] = layer.input_norm.weight
         fused = {
             "qkv": ([p + f"self_attn.{x}_proj.weight" for x in "qkv"], layer.qkv_weight),
             "gate_up": ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], layer.gate_up_weight),

@@ -142,7 +142,11 @@ class GrammarCompiler:
                     defaults["whitespace_pattern"] = spec.whitespace_pattern
                 if spec.disable_additional_properties:
                     defaults["additionalProperties"] = False
-                return str(llguidance.LLMatcher.grammar_from_json_schema(spec.schema_text(), defaults=defaults))
+                # llguidance's JsonCompileOptions stub omits keys its Rust side reads (additionalProperties).
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    spec.schema_text(), defaults=defaults  # type: ignore[arg-type]
+                )
+                return str(grammar)
             if spec.kind == "regex":
                 return str(llguidance.grammar_from("regex", str(spec.regex)))
             if spec.kind == "choice":

@@ -34,7 +34,7 @@ import torch
 from nxdserve.config import EngineConfig
 from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.backends.nxd.app import LoadedApp, load_application, nxd_version
-from nxdserve.engine.backends.nxd.inputs import GREEDY_EPS, NxdCall, cte_call, sampling_rows, tkg_call
+from nxdserve.engine.backends.nxd.inputs import NxdCall, cte_call, sampling_rows, tkg_call
 from nxdserve.engine.backends.nxd.neuron_config import FUSED_METHODS, NxdSettings
 from nxdserve.engine.backends.nxd.outputs import read_fused, read_logits, read_tokens
 from nxdserve.engine.models.spec import ModelSpec
@@ -43,7 +43,7 @@ from nxdserve.engine.step import BackendCapabilities, FusedSpecResult, LogprobsB
 from nxdserve.engine.structured.mask import StepTokenMask
 from nxdserve.errors import ConfigError, InvalidRequestError, LoRAAdapterError
 from nxdserve.model_files import load_hf_config
-from nxdserve.sampling_params import SamplingParams
+from nxdserve.sampling_params import GREEDY_EPS, SamplingParams
 
 logger = logging.getLogger(__name__)
 

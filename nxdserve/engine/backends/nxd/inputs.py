@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GREEDY_EPS = 1e-5  # the persistent batch stores 0.0 for greedy requests
+from nxdserve.sampling_params import GREEDY_EPS
 
 
 @dataclass
