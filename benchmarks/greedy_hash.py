@@ -11,22 +11,16 @@ Run it at two commits and compare the hashes: equal hashes mean byte-identical o
 from __future__ import annotations
 
 import argparse
-import atexit
 import hashlib
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.helpers
 
-from nxdserve.engine.speculative.eagle_head import EagleHead, head_config_from_target, save_eagle_head
-from nxdserve.model_files import resolve_model
 from nxdserve.sampling_params import SamplingParams
+from tests.helpers.eagle import eagle_head
 from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
 
 # Draft at every batch size: by default drafting turns on and off from measured step costs, which would make the
@@ -38,28 +32,6 @@ MODES: dict[str, dict[str, Any]] = {
     "prefill-first": {"enable_chunked_prefill": False},
     "chunked+prefix-cache": {"enable_chunked_prefill": True, "enable_prefix_caching": True},
 }
-
-
-def identity_eagle_head() -> str:
-    """An untrained EAGLE head whose fc passes the target's feature through and whose layer adds nothing."""
-    folder = Path(tempfile.mkdtemp(prefix="nxdserve-hash-eagle-"))
-    atexit.register(shutil.rmtree, folder, True)
-    target_config = json.loads((resolve_model(None) / "config.json").read_text())
-    head = EagleHead(head_config_from_target(target_config), torch.float32, torch.device("cpu"), 512)
-    size = head.spec.hidden_size
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else 0.05 * torch.randn(p.shape, generator=g))
-        head.fc_weight.zero_()
-        head.fc_weight[:, size:] = torch.eye(size)
-        assert head.fc_bias is not None
-        head.fc_bias.zero_()
-        head.layer.o_weight.zero_()
-        head.layer.down_weight.zero_()
-    save_eagle_head(head, folder)
-    return str(folder)
 
 
 def fingerprint(config: dict[str, Any], tokens: int) -> dict[str, str]:
@@ -86,7 +58,8 @@ def main() -> None:
         "plain": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                   **ALWAYS_DRAFT},
-        "eagle": {"method": "eagle", "model": identity_eagle_head(), "num_speculative_tokens": 3, **ALWAYS_DRAFT},
+        "eagle": {"method": "eagle", "model": eagle_head(None, "identity"), "num_speculative_tokens": 3,
+                  **ALWAYS_DRAFT},
     }
     rows = []
     for mode, mode_config in MODES.items():

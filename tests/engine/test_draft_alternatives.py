@@ -166,7 +166,7 @@ def test_scheduler_sends_alternatives_only_with_drafts_and_within_the_budget() -
 
 
 def test_config_takes_draft_alternatives_for_eagle_only(tmp_path: Any) -> None:
-    from tests.engine.test_speculative import eagle_head
+    from tests.helpers.eagle import eagle_head
 
     head = eagle_head(str(tiny_model_path("llama")), "identity")
     assert SpeculativeConfig.from_dict({"method": "eagle", "model": head, "num_speculative_tokens": 1}) \

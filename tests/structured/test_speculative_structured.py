@@ -13,7 +13,7 @@ import pytest
 from nxdserve.engine.core import EngineCore
 from nxdserve.engine.structured import StructuredOutputsParams
 from nxdserve.sampling_params import SamplingParams
-from tests.engine.test_speculative import eagle_head
+from tests.helpers.eagle import eagle_head
 from tests.helpers.engine import PROMPTS, make_core, run_to_completion, shared_core, tokenize
 
 SCHEMA = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
