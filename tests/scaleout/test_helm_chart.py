@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.scaleout.crd_schemas import CrdValidator
+from tests.scaleout.crd_schemas import CrdValidator, close_records
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "nxdserve"
 VALUES_SETS = ["default", *sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))]
@@ -196,3 +196,23 @@ def test_bad_custom_resources_fail_validation(
     assert [e for e in errors if e.json_path == path and field in e.message], (case, [e.message for e in errors])
     with pytest.raises(jsonschema.ValidationError):
         crds.validate(obj)
+
+
+def test_closing_rejects_unknown_record_fields_and_keeps_maps_open() -> None:
+    record = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "string"}}},  # a field so named
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}},  # a map
+            "raw": {"type": "object", "properties": {}},  # an opaque object: a model without fields
+            "ref": {"anyOf": [{"$ref": "#/$defs/Record"}, {"type": "null"}], "default": {"properties": {}}},
+        },
+        "$defs": {"Record": record},
+    }
+    close_records(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid({"properties": {"a": "x"}, "labels": {"k": "v"}, "raw": {"any": 1}, "ref": {"b": 1}})
+    for bad in ({"propertie": {}}, {"properties": {"a": "x", "z": 1}}, {"ref": {"b": 1, "c": 2}}, {"labels": {"k": 1}}):
+        assert not validator.is_valid(bad), bad
+    assert schema["properties"]["ref"]["default"] == {"properties": {}}  # data is never taken for a schema
