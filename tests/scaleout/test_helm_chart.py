@@ -2,26 +2,27 @@
 for each documented values set, every object validated against the Kubernetes OpenAPI schemas
 (kubernetes-validate, strict: unknown fields are errors), and the chart's promises checked on the result.
 
-CRD objects (ServiceMonitor, ScaledObject) have no schema in kubernetes-validate: they are checked against the
-fields their operators require (CRD_REQUIRED below), an explicit stand-in documented in docs/scale-out.md."""
+CRD objects (ServiceMonitor, ScaledObject) have no schema in kubernetes-validate: they are validated against their
+operators' CRD schemas (crd_schemas.py: JSON Schema from the cloudcoil model packages, unknown fields closed as the
+API server's strict field validation does), and a misspelt field or a wrong type in each must fail."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
+from tests.scaleout.crd_schemas import CrdValidator, close_records
+
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "nxdserve"
 VALUES_SETS = ["default", *sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))]
 KUBE_VERSIONS = ["1.30.0", "1.37.0"]  # the oldest EKS version the chart targets, and the newest schemas here
-CRD_REQUIRED: dict[str, dict[str, type]] = {
-    "ServiceMonitor": {"spec.selector.matchLabels": dict, "spec.endpoints": list},
-    "ScaledObject": {"spec.scaleTargetRef.name": str, "spec.triggers": list},
-}
 
 
 def values_of(name: str) -> dict[str, Any]:
@@ -34,15 +35,14 @@ def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
 
 
-def dig(obj: dict[str, Any], path: str) -> Any:
-    for key in path.split("."):
-        obj = obj[key]
-    return obj
-
-
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict[str, Any]]]:
     return {name: render(values_of(name)) for name in VALUES_SETS}
+
+
+@pytest.fixture(scope="module")
+def crds() -> CrdValidator:
+    return CrdValidator()
 
 
 def test_documented_values_sets_exist() -> None:
@@ -57,14 +57,23 @@ def test_lint_is_clean() -> None:
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
-def test_every_object_is_valid(rendered: dict[str, list[dict[str, Any]]], kube_version: str) -> None:
+def test_every_builtin_object_is_valid(
+    rendered: dict[str, list[dict[str, Any]]], crds: CrdValidator, kube_version: str
+) -> None:
+    for objects in rendered.values():
+        for obj in objects:
+            if not crds.handles(obj):
+                kubernetes_validate.validate(obj, kube_version, strict=True)
+
+
+def test_every_custom_resource_is_valid(rendered: dict[str, list[dict[str, Any]]], crds: CrdValidator) -> None:
+    validated: set[str] = set()
     for name, objects in rendered.items():
         for obj in objects:
-            if obj["kind"] in CRD_REQUIRED:
-                for path, kind in CRD_REQUIRED[obj["kind"]].items():
-                    assert isinstance(dig(obj, path), kind), (name, obj["kind"], path)
-                continue
-            kubernetes_validate.validate(obj, kube_version, strict=True)
+            if crds.handles(obj):
+                assert not crds.errors(obj), (name, obj["kind"], [e.message for e in crds.errors(obj)])
+                validated.add(obj["kind"])
+    assert validated == {"ServiceMonitor", "ScaledObject"}  # every CRD kind the chart has was rendered and checked
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -123,3 +132,87 @@ def test_bad_values_fail_to_render() -> None:
         render({"model": {"source": "volume"}})
     with pytest.raises(helm.HelmError, match=r"accelerator\.type must be cpu or neuron"):
         render({"accelerator": {"type": "gpu"}})
+
+
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def rename(obj: dict[str, Any], old: str, new: str) -> None:
+    obj[new] = obj.pop(old)
+
+
+# (kind, values on top of ci/cpu-values.yaml, change to the rendered object, the failing field, its JSON path)
+BAD_CUSTOM_RESOURCES = {
+    "ServiceMonitor misspelt endpoint field": (
+        "ServiceMonitor", {}, lambda o: rename(o["spec"]["endpoints"][0], "relabelings", "relabellings"),
+        "relabellings", "$.spec.endpoints[0]",
+    ),
+    "ServiceMonitor misspelt spec field": (
+        "ServiceMonitor", {}, lambda o: rename(o["spec"], "namespaceSelector", "namespaceSelecter"),
+        "namespaceSelecter", "$.spec",
+    ),
+    "ServiceMonitor misspelt metadata field": (
+        "ServiceMonitor", {}, lambda o: rename(o["metadata"], "labels", "label"), "label", "$.metadata",
+    ),
+    "ServiceMonitor interval as a number": (
+        "ServiceMonitor", {"serviceMonitor": {"interval": 30}}, None, "30", "$.spec.endpoints[0].interval",
+    ),
+    "ServiceMonitor interval not a duration": (
+        "ServiceMonitor", {"serviceMonitor": {"interval": "30 seconds"}}, None, "30 seconds",
+        "$.spec.endpoints[0].interval",
+    ),
+    "ScaledObject misspelt spec field (the HPA's name)": (
+        "ScaledObject", {}, lambda o: rename(o["spec"], "minReplicaCount", "minReplicas"), "minReplicas", "$.spec",
+    ),
+    "ScaledObject misspelt target field": (
+        "ScaledObject", {}, lambda o: rename(o["spec"]["scaleTargetRef"], "name", "nme"), "nme",
+        "$.spec.scaleTargetRef",
+    ),
+    "ScaledObject pollingInterval as a duration string": (
+        "ScaledObject", {"autoscaling": {"keda": {"pollingInterval": "15s"}}}, None, "15s", "$.spec.pollingInterval",
+    ),
+    "ScaledObject trigger threshold unquoted": (
+        "ScaledObject", {}, lambda o: o["spec"]["triggers"][0]["metadata"].update(threshold=5), "5",
+        "$.spec.triggers[0].metadata.threshold",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CUSTOM_RESOURCES))
+def test_bad_custom_resources_fail_validation(
+    rendered: dict[str, list[dict[str, Any]]], crds: CrdValidator, case: str
+) -> None:
+    kind, values, mutate, field, path = BAD_CUSTOM_RESOURCES[case]
+    good = by_kind(rendered["cpu-values.yaml"], kind)
+    assert not crds.errors(good)  # only the change below is wrong
+    obj = by_kind(render(merged(values_of("cpu-values.yaml"), values)), kind) if values else copy.deepcopy(good)
+    if mutate is not None:
+        mutate(obj)
+    errors = crds.errors(obj)
+    assert [e for e in errors if e.json_path == path and field in e.message], (case, [e.message for e in errors])
+    with pytest.raises(jsonschema.ValidationError):
+        crds.validate(obj)
+
+
+def test_closing_rejects_unknown_record_fields_and_keeps_maps_open() -> None:
+    record = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "string"}}},  # a field so named
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}},  # a map
+            "raw": {"type": "object", "properties": {}},  # an opaque object: a model without fields
+            "ref": {"anyOf": [{"$ref": "#/$defs/Record"}, {"type": "null"}], "default": {"properties": {}}},
+        },
+        "$defs": {"Record": record},
+    }
+    close_records(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid({"properties": {"a": "x"}, "labels": {"k": "v"}, "raw": {"any": 1}, "ref": {"b": 1}})
+    for bad in ({"propertie": {}}, {"properties": {"a": "x", "z": 1}}, {"ref": {"b": 1, "c": 2}}, {"labels": {"k": 1}}):
+        assert not validator.is_valid(bad), bad
+    assert schema["properties"]["ref"]["default"] == {"properties": {}}  # data is never taken for a schema

@@ -81,7 +81,8 @@ def default_neuron_config(config: EngineConfig) -> dict[str, Any]:
 
 
 def lora_serving_config(config: EngineConfig) -> dict[str, Any]:
-    """NxD's LoraServingConfig keywords (modules/lora_serving/config.py, NxDI 0.9). NxD builds its LoRA
+    """NxD's LoraServingConfig keywords (modules/lora_serving/config.py, NxDI 0.9; names checked in
+    docs/neuron.md: ``max_cpu_loras``, not 0.2's ``max_loras_on_cpu``). NxD builds its LoRA
     weights into the compiled model: only the --lora-modules adapters, known at compile time, can be served
     (static multi-LoRA); a zero adapter at index 0 (``enable_base_model_only``) serves base-model rows."""
     modules = list(config.lora_modules)

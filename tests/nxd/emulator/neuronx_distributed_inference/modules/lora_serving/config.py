@@ -1,4 +1,6 @@
-"""LoraServingConfig with NxDI 0.9's keyword names (modules/lora_serving/config.py). The emulator serves the
+"""LoraServingConfig with NxDI 0.9's keyword names (src/neuronx_distributed_inference/modules/lora_serving/config.py,
+checked at the Neuron 2.29 release, commit c63afe02; NxDI <= 0.2 named ``max_cpu_loras`` ``max_loras_on_cpu``,
+renamed by 0.7 in Neuron 2.27). The emulator serves the
 static case: every adapter named in ``lora_ckpt_paths`` at compile time, a zero adapter at index 0 when
 ``enable_base_model_only`` (so base rows pass adapter id 0), adapter k of the paths at index k (+1)."""
 
@@ -21,8 +23,10 @@ class LoraServingConfig:
         lora_ckpt_json: str | None = None,
         lora_memory_transpose: bool = True,
         lora_shard_linear_layer: bool = True,
+        is_context_encoding: bool = False,
         dynamic_multi_lora: bool = False,
         eviction_policy: str = "lru",
+        lfu_decay_period: int = 128,
         base_model_quantized: bool = False,
         enable_base_model_only: bool = False,
         **kwargs: Any,
@@ -40,8 +44,10 @@ class LoraServingConfig:
         self.lora_ckpt_json = lora_ckpt_json
         self.lora_memory_transpose = lora_memory_transpose
         self.lora_shard_linear_layer = lora_shard_linear_layer
+        self.is_context_encoding = is_context_encoding
         self.dynamic_multi_lora = dynamic_multi_lora
         self.eviction_policy = eviction_policy
+        self.lfu_decay_period = lfu_decay_period
         self.base_model_quantized = base_model_quantized
         self.enable_base_model_only = enable_base_model_only
 
