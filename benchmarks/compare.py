@@ -58,8 +58,26 @@ from nxdserve.bench.tokenizer import BenchTokenizer, HFTokenizer
 
 # The server subprocesses must run the very nxdserve this script imported.
 NXDSERVE_ROOT = str(Path(nxdserve.__file__).resolve().parents[1])
-SERVER_KINDS = ("nxdserve", "nxdserve-prefill-first", "vllm", "llamacpp")
-REFERENCE_ORDER = ("vllm", "llamacpp")  # ratios are taken to the first of these that ran
+SERVER_KINDS = ("nxdserve", "nxdserve-prefill-first", "nxdserve-ref", "vllm", "llamacpp")
+# Ratios are taken to the first of these that ran; nxdserve-ref (another source tree, --ref-root) is the
+# "before" of a before/after comparison.
+REFERENCE_ORDER = ("vllm", "llamacpp", "nxdserve-ref")
+# Workload s: every request under this JSON schema. The array must hold 200 records, so no row can finish
+# its document (and stop early) within the workload's 64 tokens: constrained and free rows decode equally long.
+LONG_ARRAY_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "minItems": 200,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 16},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name", "ok"],
+        "additionalProperties": False,
+    },
+}
 VLLM_CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -94,6 +112,7 @@ class Workload:
     shapes: tuple[Shape, ...]  # full size; d has (short, long)
     smoke: tuple[Shape, ...]  # --smoke: the same pattern, small enough to check the harness in a minute
     prefill_first: bool = False  # also run on nxdserve's prefill-first mode
+    extra_body: dict[str, Any] = field(default_factory=dict)  # request fields beyond the sampling defaults
 
     def active(self, args: argparse.Namespace) -> tuple[Shape, ...]:
         return self.smoke if args.smoke else self.shapes
@@ -108,14 +127,15 @@ class Workload:
             )
         (one,) = sh
         load = "single stream" if one.concurrency == 1 else f"{one.concurrency} concurrent"
-        return f"{self.key}: {load} x ({one.input_len} in, {one.output_len} out)"
+        schema = ", every request under a JSON schema" if self.extra_body else ""
+        return f"{self.key}: {load} x ({one.input_len} in, {one.output_len} out){schema}"
 
     def run(self, url: str, tok: BenchTokenizer, args: argparse.Namespace) -> dict[str, Any]:
         if self.key == "d":
             short, long = self.active(args)
             return asyncio.run(run_mixed(url, tok, short, long, args.seed, args.trigger_timeout))
         (one,) = self.active(args)
-        return run_standard(url, tok, one, args)
+        return run_standard(url, tok, one, args, self.extra_body)
 
 
 THROUGHPUT = MetricSpec("output_throughput", "output tok/s", True)
@@ -128,13 +148,15 @@ MEDIAN_TPOT = MetricSpec("median_tpot_ms", "median TPOT ms", False)
 P99_ITL = MetricSpec("p99_itl_ms", "p99 ITL ms", False)
 
 
-def run_standard(url: str, tok: BenchTokenizer, shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+def run_standard(
+    url: str, tok: BenchTokenizer, shape: Shape, args: argparse.Namespace, extra_body: dict[str, Any] | None = None
+) -> dict[str, Any]:
     num = max(1, round(shape.num_prompts * args.scale))
     reqs = random_dataset(tok, num, shape.input_len, shape.output_len, seed=args.seed)
     cfg = BenchConfig(
         base_url=url,
         max_concurrency=shape.concurrency,
-        sampling=SamplingOptions(ignore_eos=True),
+        sampling=SamplingOptions(ignore_eos=True, extra_body=dict(extra_body or {})),
         percentiles=[50.0, 99.0],
         metrics_interval_s=0.0,  # no /metrics polling: keep the client's CPU use minimal
         seed=args.seed,
@@ -219,6 +241,14 @@ WORKLOADS: dict[str, Workload] = {
         (Shape(64, 128, num_prompts=24), Shape(1500, 16, num_prompts=4)),
         (Shape(32, 24, num_prompts=4), Shape(400, 4, num_prompts=1)),
         prefill_first=True,
+    ),
+    "s": Workload(
+        "s",
+        [THROUGHPUT, MEDIAN_TPOT, MEAN_TTFT],
+        (Shape(70, 64, num_prompts=64, concurrency=32),),
+        (Shape(70, 16, num_prompts=8, concurrency=8),),
+        # vLLM's own request field (0.11+), which nxdserve takes too; compare with workload a, same shape, free.
+        extra_body={"structured_outputs": {"json": LONG_ARRAY_SCHEMA, "disable_any_whitespace": True}},
     ),
 }
 
@@ -325,6 +355,12 @@ def build_servers(args: argparse.Namespace, model_dir: str, gguf: str | None) ->
         pf = workloads if args.prefill_first_all else [w for w in workloads if WORKLOADS[w].prefill_first]
         if pf:
             specs.append(ServerSpec("nxdserve-prefill-first", nxd(False), pf, nxd_env))
+    if "nxdserve-ref" in wanted:
+        if args.ref_root:
+            ref_env = {"PYTHONPATH": os.pathsep.join(filter(None, [args.ref_root, os.environ.get("PYTHONPATH")]))}
+            specs.append(ServerSpec("nxdserve-ref", nxd(True), workloads, ref_env))
+        elif args.servers != "auto":
+            notes.append("nxdserve-ref: skipped (no --ref-root)")
 
     if "vllm" in wanted:
         python = args.vllm_python
@@ -588,7 +624,7 @@ def format_table(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default="auto", help=f"comma list of {', '.join(SERVER_KINDS)}; auto: all found")
-    p.add_argument("--workloads", default="a,b,c,d", help="comma list of a,b,c,d")
+    p.add_argument("--workloads", default="a,b,c,d", help="comma list of a,b,c,d,s (s: a under a JSON schema)")
     p.add_argument("--model", default=None, help="nxdserve --model (default: its embedded default model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer for the datasets (default: the model's)")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -599,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trigger-timeout", type=float, default=300.0, help="d: max wait for the short requests")
     p.add_argument("--prefill-first-all", action="store_true", help="run every workload in prefill-first mode")
     p.add_argument("--nxdserve-args", default="", help="extra nxdserve flags")
+    p.add_argument("--ref-root", default=None,
+                   help="nxdserve-ref: the root of another nxdserve source tree (e.g. a worktree of an older commit), "
+                   "served with the same flags: before/after comparisons")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of the vLLM CPU venv")
     p.add_argument("--vllm-model", default=None, help="default: nxdserve's model folder")
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
