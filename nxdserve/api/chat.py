@@ -34,6 +34,7 @@ from nxdserve.api.state import ServerState, base_request_id, engine_request_ids,
 from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, TextChunkFrames, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
 from nxdserve.errors import NxdServeError
+from nxdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,18 @@ def render_prompt(engine: EngineClient, req: ChatCompletionRequest | Any) -> str
         raise APIError(f"Cannot apply the chat template: {exc}", param="messages") from exc
 
 
+async def plan_chat_generation(engine: EngineClient, req: ChatCompletionRequest, max_logprobs: int
+                               ) -> tuple[ChatOutputPlan, str, SamplingParams]:
+    """How the output is read (tool choice, parsers), the rendered prompt, and the sampling parameters with the
+    constraint the tool choice implies; the grammar compiled. Shared by chat and the Responses API."""
+    plan = ChatOutputPlan.build(req, engine.config)
+    prompt = render_prompt(engine, req)
+    params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, max_logprobs)
+    plan.constrain(params, prompt, engine.tokenizer, engine.config)
+    await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
+    return plan, prompt, params
+
+
 async def create_chat_completion(request: Request) -> Response | EventStreamResponse:
     state = get_state(request)
     req = await parse(request, ChatCompletionRequest)
@@ -113,11 +126,7 @@ async def create_chat_completion(request: Request) -> Response | EventStreamResp
     check_fan_out(1, req.n)
     engine = state.engine
     require_image_support(engine, await load_chat_images(req.messages, state.media))
-    plan = ChatOutputPlan.build(req, engine.config)
-    prompt = render_prompt(engine, req)
-    params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
-    plan.constrain(params, prompt, engine.tokenizer, engine.config)
-    await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
+    plan, prompt, params = await plan_chat_generation(engine, req, state.max_logprobs)
     children = fan_out(params)
     response_id = f"chatcmpl-{base_request_id(request)}"
     ids = engine_request_ids(request, response_id, len(children))

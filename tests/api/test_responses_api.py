@@ -97,7 +97,7 @@ async def test_store_false_is_not_kept(client: AsyncOpenAI) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]}, "tools"),
+        ({"tools": [{"type": "web_search_preview"}]}, "tools"),  # function tools: tests/api/test_responses_tools.py
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),

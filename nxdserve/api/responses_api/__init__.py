@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (``/v1/responses``) over the engine: text in, text out, stored responses."""
+"""OpenAI's Responses API (``/v1/responses``) over the engine: text and function tools, stored responses."""
 
 from __future__ import annotations
 

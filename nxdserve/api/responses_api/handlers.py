@@ -2,32 +2,31 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from nxdserve.api.chat import render_prompt
+from nxdserve.api.chat import plan_chat_generation
+from nxdserve.api.chat_output import ChatOutputPlan
 from nxdserve.api.errors import APIError, from_exception
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
-from nxdserve.api.params import build_sampling_params
 from nxdserve.api.protocol import ChatCompletionRequest
-from nxdserve.api.responses_api.events import EventWriter
+from nxdserve.api.responses_api.events import EventWriter, OutputItems, assistant_message, new_call_id
 from nxdserve.api.responses_api.inputs import conversation
 from nxdserve.api.responses_api.protocol import (
-    OutputMessage,
-    OutputText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
     check_supported,
 )
 from nxdserve.api.responses_api.store import ResponseStore, StoredResponse
+from nxdserve.api.responses_api.tools import chat_response_format, chat_tool_choice, chat_tools
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
 from nxdserve.api.streaming import EventStreamResponse, respond
+from nxdserve.tools import ToolParser
 
 
 def _store(state: ServerState) -> ResponseStore:
@@ -40,8 +39,8 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
     model = state.resolve_model(req.model)
     check_supported(req)
     messages, turn = conversation(req, _store(state))
-    # The chat machinery renders the prompt and builds the sampling parameters (the model's generation
-    # defaults where the request leaves them out), so both endpoints validate alike.
+    # Chat's machinery renders the prompt, reads tool calls and builds the sampling parameters (the model's
+    # generation defaults where the request leaves them out), so both endpoints validate and behave alike.
     chat = ChatCompletionRequest(
         model=model,
         messages=messages,  # type: ignore[arg-type]
@@ -49,10 +48,13 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
         temperature=req.temperature,
         top_p=req.top_p,
         user=req.user,
+        tools=chat_tools(req.tools),
+        tool_choice=chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        response_format=chat_response_format(req.text),  # type: ignore[arg-type]
     )
     engine = state.engine
-    prompt = render_prompt(engine, chat)
-    params = build_sampling_params(chat, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
+    plan, prompt, params = await plan_chat_generation(engine, chat, state.max_logprobs)
     response_id = f"resp_{base_request_id(request)}"
     (request_id,) = engine_request_ids(request, response_id, 1)
     state.log_request(response_id, [prompt], params)
@@ -64,13 +66,15 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
         previous_response_id=req.previous_response_id,
         temperature=params.temperature,
         top_p=params.top_p,
-        tool_choice=req.tool_choice if isinstance(req.tool_choice, str) else "auto",
+        tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
+        tools=req.tools or [],
         parallel_tool_calls=req.parallel_tool_calls is not False,
+        text=req.text or {"format": {"type": "text"}},
         store=req.store is not False,
         metadata=req.metadata or {},
         user=req.user,
     )
-    view = _ResponsesView(state, skeleton, turn, message_id=f"msg_{uuid.uuid4().hex}")
+    view = _ResponsesView(state, skeleton, turn, plan)
     call = EngineCall(prompt, params, request_id, False, state.lora_for(model))
     return await respond(request, engine, [call], view, bool(req.stream))
 
@@ -93,54 +97,78 @@ def _not_found(response_id: str) -> APIError:
     return APIError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
 
 
+def _call_id_maker(plan: ChatOutputPlan) -> Callable[[], str]:
+    """OpenAI's ``call_<hex>`` ids, unless the parser's model needs its own shape (Mistral's templates check for
+    9 alphanumerics): the id goes back through the template with the client's function_call_output."""
+    parser = plan.tool_parser
+    if parser is not None and type(parser).new_call_id is not ToolParser.new_call_id:
+        return parser.new_call_id
+    return new_call_id
+
+
 @dataclass
 class _ResponsesView:
     state: ServerState
     skeleton: ResponseObject
     turn: list[dict[str, Any]]
-    message_id: str
-    _done: bool = field(default=False)
+    plan: ChatOutputPlan
 
-    def finish(self, st: ChoiceState) -> ResponseObject:
-        """The final response object, stored unless ``store`` is false."""
+    def _items(self, events: EventWriter) -> OutputItems:
+        return OutputItems(events, _call_id_maker(self.plan))
+
+    def _finish(self, st: ChoiceState, items: OutputItems) -> ResponseObject:
+        """The final response object (closing the last item), stored unless ``store`` is false."""
         incomplete = st.finish_reason == "length"
         status: Literal["incomplete", "completed"] = "incomplete" if incomplete else "completed"
-        message = OutputMessage(id=self.message_id, status=status, content=[OutputText(text=st.text)])
+        output = items.finish(status)
         prompt_tokens = len(st.prompt_token_ids)
         response = self.skeleton.model_copy(
             update={
                 "status": status,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "output": [message],
+                "output": output,
                 "usage": ResponseUsage(
                     input_tokens=prompt_tokens, output_tokens=st.num_tokens, total_tokens=prompt_tokens + st.num_tokens
                 ),
             }
         )
         if response.store:
-            messages = [*self.turn, {"role": "assistant", "content": st.text}]
-            self.state.responses.put(StoredResponse(response, messages))
+            self.state.responses.put(StoredResponse(response, [*self.turn, assistant_message(output)]))
         return response
 
     def response(self, states: Sequence[ChoiceState]) -> ResponseObject:
-        return self.finish(states[0])
+        st = states[0]
+        items = self._items(EventWriter())  # its events are not sent
+        items.chat_message(*self.plan.message(st.text))
+        return self._finish(st, items)
 
     async def frames(self, streams: Sequence[Any]) -> AsyncIterator[str]:
-        """OpenAI's typed events: created, in_progress, the message item and its text part opening, one
-        output_text.delta per engine output, then the closing events and response.completed."""
-        events = EventWriter(self.skeleton, self.message_id)
-        for frame in events.opening():
+        """OpenAI's typed events: created, in_progress, then each output item's added / delta / done events as
+        the text grows (plain text opens its message at once), then response.completed (or .incomplete)."""
+        events = EventWriter()
+        for frame in events.opening(self.skeleton):
             yield frame
+        items = self._items(events)
+        plain = self.plan.mode == "none" and self.plan.reasoning is None
+        streamer = None if plain else self.plan.streamer()
+        if plain:
+            items.open_message()
         st = ChoiceState(index=0)
         outputs = merge(streams)
         try:
             async for _, out in outputs:
                 st.update(out)
                 delta = out.outputs[0].text if out.outputs else ""
-                if delta:
-                    yield events.delta(delta)
-            for frame in events.closing(self.finish(st)):
+                if streamer is None:
+                    items.text(delta)
+                else:
+                    items.chat_deltas(*streamer.feed(delta, final=st.finish_reason is not None))
+                for frame in items.drain():
+                    yield frame
+            final = self._finish(st, items)
+            for frame in items.drain():
                 yield frame
+            yield events.closing(final)
         except Exception as exc:  # headers are out: report in-band as OpenAI does
             yield events.error(from_exception(exc))
         finally:

@@ -1,4 +1,4 @@
-"""The Responses API's request and response objects (OpenAI's ``POST /v1/responses``), text only."""
+"""The Responses API's request and response objects (OpenAI's ``POST /v1/responses``): text, function tools."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # Function tools: the tool-calling machinery is built on another branch; until it lands, a 400 (see
-    # handlers.check_supported, the hook to route them through it).
+    # Function tools, flat ({"type": "function", "name", ...}); tools.py maps them onto chat's tool calling.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -41,23 +40,17 @@ class ResponsesRequest(BaseModel):
 
 # Values that ask for nothing beyond plain text generation, so they pass.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "tool_choice": (None, "auto", "none"),
-    "parallel_tool_calls": (None, True, False),
     "truncation": (None, "disabled"),
     "include": (None, []),
     "background": (None, False),
     "reasoning": (None, {}),
     "service_tier": (None, "auto", "default"),
-    "text": (None, {}, {"format": {"type": "text"}}),
 }
 
 
 def check_supported(req: ResponsesRequest) -> None:
-    """A 400 naming the first field this server cannot honour, so nothing is silently ignored."""
-    if req.tools:
-        raise APIError(
-            "Function tools are not supported on /v1/responses yet (tool calling is being added).", param="tools"
-        )
+    """A 400 naming the first field this server cannot honour, so nothing is silently ignored. ``tools``,
+    ``tool_choice`` and ``text`` are checked where they are mapped (tools.py)."""
     for name, allowed in _NO_OP_VALUES.items():
         if getattr(req, name) not in allowed:
             raise APIError(f"`{name}` = {getattr(req, name)!r} is not supported.", param=name)
@@ -73,17 +66,50 @@ class OutputText(BaseModel):
     logprobs: list[Any] = Field(default_factory=list)
 
 
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
 class OutputMessage(BaseModel):
     type: Literal["message"] = "message"
     id: str
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: ItemStatus = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText] = Field(default_factory=list)
 
 
+class FunctionCallItem(BaseModel):
+    """A parsed tool call (OpenAI's ResponseFunctionToolCall): ``call_id`` is what the client's
+    ``function_call_output`` answers."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str = ""  # JSON text of an object
+    status: ItemStatus = "completed"
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The thinking split off by ``--reasoning-parser`` (OpenAI's ResponseReasoningItem; no summary)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: ItemStatus = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
-    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0, "cache_write_tokens": 0})
     output_tokens: int
     output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
     total_tokens: int
@@ -99,12 +125,12 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: str = "disabled"
@@ -115,4 +141,4 @@ class ResponseObject(BaseModel):
 
     @property
     def output_text(self) -> str:
-        return "".join(part.text for item in self.output for part in item.content)
+        return "".join(part.text for item in self.output if isinstance(item, OutputMessage) for part in item.content)
