@@ -96,7 +96,7 @@ class OutputProcessor:
                     state.logprobs.append(_logprob_entries(result.logprobs, (update.row, j), num_top, self._texts))
             finish_reason = request.finish_reason if update.finished else None
             stop_reason = request.stop_reason if update.finished else None
-            num_new_chars = state.detokenizer.add(update.new_token_ids)
+            num_new_chars = state.detokenizer.add(_text_tokens(update.new_token_ids, request, state.params))
             if finish_reason is not None:
                 num_new_chars += state.detokenizer.flush()
             if finish_reason is None and state.params.stop and len(state.token_ids) > state.params.min_tokens:
@@ -182,3 +182,12 @@ class OutputProcessor:
         self.states.pop(request_id, None)
 
 
+def _text_tokens(new_token_ids: list[int], request: Request, params: SamplingParams) -> list[int]:
+    """The new tokens whose text the output shows. A request that ended on its end token or one of its
+    ``stop_token_ids`` keeps that token in ``token_ids`` but not its text, unless ``include_stop_str_in_output``
+    (as vLLM's detokenizer): with ``skip_special_tokens`` off an ``<|im_end|>`` would otherwise end the text,
+    and tool-call parsers would read it as trailing content."""
+    stopped_on_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)
+    if stopped_on_token and not params.include_stop_str_in_output and new_token_ids:
+        return new_token_ids[:-1]
+    return new_token_ids

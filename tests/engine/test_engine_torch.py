@@ -166,6 +166,23 @@ def test_min_tokens_and_stop_token_ids() -> None:
     assert stop_id not in masked.outputs[0].token_ids[:6]
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_is_left_out_unless_asked(include: bool) -> None:
+    # vLLM's detokenizer: a request that ends on a stop token id keeps the id in token_ids, but its text only
+    # with include_stop_str_in_output (otherwise, with special tokens kept, "<|im_end|>" ends every text).
+    core = shared_core(**CHUNKED)
+    prompt = tokenize(core, ["Say hi."])[0]
+    free = run_to_completion(core, [prompt], greedy(max_tokens=8))[0].outputs[0]
+    cut = next(j for j in range(2, 8) if free.token_ids[j] not in free.token_ids[:j])
+    stop_id, kept = free.token_ids[cut], free.token_ids[:cut]
+    out = run_to_completion(
+        core, [prompt], greedy(max_tokens=8, stop_token_ids=[stop_id], include_stop_str_in_output=include)
+    )[0].outputs[0]
+    assert out.token_ids == [*kept, stop_id]
+    expected = core.tokenizer.decode([*kept, stop_id] if include else kept)
+    assert out.text == expected
+
+
 @pytest.mark.skipif(not greedy_head.available(), reason="no AVX512-VNNI/BF16 C kernels here")
 def test_greedy_tokens_from_the_lm_head_screen_equal_the_full_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     # bf16 (the screen's dtype), 16 prompts decoding together: the screen answers the plain greedy steps, and
