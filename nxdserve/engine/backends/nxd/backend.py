@@ -113,6 +113,8 @@ class NxdBackend(Backend):
             supports_draft_verification=False,
             global_top_k=s.global_topk,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            # Context encoding runs a slot's prompt only: priority scheduling never preempts here.
+            resume_by_recompute=False,
         )
         self.sampler = Sampler(self.vocab_size, torch.device("cpu"), seed=config.seed)
         self.kv_len = np.zeros(num_seqs, dtype=np.int64)  # positions with valid KV, per line
