@@ -353,8 +353,11 @@ class EngineCore:
     # -- the phases ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
+        preempted_before = self.scheduler.num_preemptions_total
         sched = self.scheduler.schedule()
         self.timings.schedule += time.perf_counter() - t0
+        if self.metrics is not None and self.scheduler.num_preemptions_total != preempted_before:
+            self.metrics.record_preemptions(self.scheduler.num_preemptions_total - preempted_before)
         return sched
 
     def execute(self, sched: SchedulerOutput) -> StepResult:

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from multiprocessing import Pipe
 
 import httpx
 import pytest
 
 from nxdserve import cli
 from nxdserve.api.server import BackgroundServer
+from nxdserve.config import EngineConfig
 from nxdserve.engine.async_engine import AsyncEngine
 from nxdserve.engine.core import EngineCore
+from nxdserve.engine.dp.client import DataParallelEngine
+from nxdserve.engine.dp.protocol import EngineFacts
+from nxdserve.errors import InvalidRequestError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.api.conftest import API_KEY, MODEL_NAME, engine_config, start_server
 from tests.helpers.tiny_model import tiny_model_path
@@ -118,6 +123,9 @@ async def test_better_request_preempts_and_the_victim_output_is_unchanged(engine
     assert order == ["high", "low"]  # one slot: high could only finish first by preempting low
     assert _core(engine).scheduler.num_preemptions_total == 1
     assert low_tokens == low_alone and high_tokens == high_alone
+    metrics = _core(engine).metrics
+    assert metrics is not None
+    assert metrics.num_preemptions.labels(MODEL_NAME)._value.get() == 1  # vllm:num_preemptions_total
 
 
 async def test_aborting_a_preempted_request_frees_everything(engine: AsyncEngine) -> None:
@@ -135,3 +143,22 @@ async def test_aborting_a_preempted_request_frees_everything(engine: AsyncEngine
     assert scheduler.num_free_slots == 1 and not scheduler.requests
     await _tokens(engine, "Hello", _greedy(2))  # a step after the abort carries its discard to the batch
     assert not _core(engine).backend.batch.suspended_generators  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_data_parallel_client_checks_and_forwards_priority(policy: str) -> None:
+    """The API process of --data-parallel-size refuses as one engine would, and sends priority to the engine."""
+    engine = DataParallelEngine(EngineConfig(data_parallel_size=2, scheduling_policy=policy))  # type: ignore[arg-type]
+    ours, theirs = Pipe()
+    handle = engine.handles[0]
+    handle.facts = EngineFacts("m", "torch", 64, 63, 1000, 2, {}, 0)
+    handle.conn, handle.ready = ours, True
+    engine._accepting = True
+    if policy == "fcfs":
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "r1", priority=2)
+        assert info.value.param == "priority" and not theirs.poll()
+    else:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "r1", priority=2)
+        message = theirs.recv()
+        assert (message[0], message[1], message[2], message[5]) == ("add", "r1", [1, 2, 3], 2)

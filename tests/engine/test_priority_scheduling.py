@@ -247,3 +247,4 @@ def test_outputs_under_preemption_match_running_alone(mode: str, spec: str) -> N
     assert together == alone
     assert core.scheduler.num_free_slots == 2 and not core.scheduler.requests
     assert not core.backend.batch.suspended_generators  # type: ignore[union-attr]
+

@@ -113,8 +113,6 @@ class NxdBackend(Backend):
             supports_draft_verification=False,
             global_top_k=s.global_topk,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            # Context encoding runs a slot's prompt only: priority scheduling never preempts here.
-            resume_by_recompute=False,
         )
         self.sampler = Sampler(self.vocab_size, torch.device("cpu"), seed=config.seed)
         self.kv_len = np.zeros(num_seqs, dtype=np.int64)  # positions with valid KV, per line
@@ -201,7 +199,8 @@ class NxdBackend(Backend):
     def _context_encode(self, plan: StepPlan, row: int, step: _StepOutputs) -> None:
         assert self.batch is not None
         slot, start, n = int(plan.slots[row]), int(plan.start_pos[row]), int(plan.num_scheduled[row])
-        length = int(self.batch.num_prompt_tokens[slot])
+        # The slot's tokens: its prompt, and for a request resumed after a preemption its outputs too.
+        length = int(self.batch.num_tokens[slot])
         if start != 0 or n != length:
             raise RuntimeError(
                 f"NxD context encoding runs a whole prompt in one call; got positions {start}..{start + n} of a "
