@@ -104,6 +104,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_partial_prefills=args.max_num_partial_prefills,
         whole_prompt_overflow=args.whole_prompt_overflow,
         max_consecutive_prefill_steps=args.max_consecutive_prefill_steps,
+        scheduling_policy=args.scheduling_policy,
         max_waiting=args.max_waiting,
         seed=args.seed,
         max_logprobs=args.max_logprobs,

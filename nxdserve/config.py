@@ -12,6 +12,7 @@ from nxdserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "torch", "nxd"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_CHUNKED_BATCHED_TOKENS = 512
 # On a CPU a step costs about its token count (0.5-0.8 ms per token for the default model on 2 cores), so
@@ -57,6 +58,9 @@ class EngineConfig:
     # runs on a CPU with its default budget, else 0 (an explicit max_num_batched_tokens stays a hard cap, as in vLLM).
     whole_prompt_overflow: int | None = None
     max_consecutive_prefill_steps: int = 1  # prefill-first anti-starvation
+    # fcfs: arrival order; priority: lowest request priority first, ties by arrival, and a waiting request may
+    # preempt the worst running one for its slot (nxdserve.scheduler.policy).
+    scheduling_policy: SchedulingPolicy = "fcfs"
     max_waiting: int | None = None  # None: unbounded queue
     seed: int = 0
     max_logprobs: int = 20
@@ -160,6 +164,8 @@ class EngineConfig:
             raise ConfigError("max_num_partial_prefills must be at least 1.")
         if self.max_consecutive_prefill_steps < 1:
             raise ConfigError("max_consecutive_prefill_steps must be at least 1.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}.")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ConfigError("max_waiting must be non-negative.")
         return self

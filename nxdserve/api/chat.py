@@ -131,7 +131,8 @@ async def create_chat_completion(request: Request) -> Response | EventStreamResp
     response_id = f"chatcmpl-{base_request_id(request)}"
     ids = engine_request_ids(request, response_id, len(children))
     lora = state.lora_for(model)
-    calls = [EngineCall(prompt, c, rid, req.add_special_tokens, lora) for c, rid in zip(children, ids, strict=True)]
+    calls = [EngineCall(prompt, c, rid, req.add_special_tokens, lora, req.priority)
+             for c, rid in zip(children, ids, strict=True)]
     state.log_request(response_id, [prompt], params)
     view = _ChatView(state, req, model, response_id, plan)
     return await respond(request, engine, calls, view, bool(req.stream))

@@ -49,7 +49,8 @@ async def create_completion(request: Request) -> Response | EventStreamResponse:
     response_id = f"cmpl-{base_request_id(request)}"
     ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children)))
     lora = state.lora_for(model)
-    calls = [EngineCall(prompt, c, next(ids), req.add_special_tokens, lora) for prompt in prompts for c in children]
+    calls = [EngineCall(prompt, c, next(ids), req.add_special_tokens, lora, req.priority)
+             for prompt in prompts for c in children]
     state.log_request(response_id, prompts, params)
     view = _CompletionView(state, req, model, response_id, calls)
     return await respond(request, engine, calls, view, bool(req.stream))

@@ -89,6 +89,7 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         add_special_tokens: bool = True,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> EngineStream: ...
 
     async def add_lora(self, lora_request: LoRARequest) -> None: ...

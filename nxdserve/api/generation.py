@@ -36,6 +36,7 @@ class EngineCall:
     request_id: str
     add_special_tokens: bool = True
     lora_request: LoRARequest | None = None  # when the request's model names an adapter
+    priority: int = 0  # --scheduling-policy priority: lower is served first
 
 
 def start_requests(engine: EngineClient, calls: Sequence[EngineCall]) -> list[RequestStream]:
@@ -51,6 +52,7 @@ def start_requests(engine: EngineClient, calls: Sequence[EngineCall]) -> list[Re
                     request_id=call.request_id,
                     add_special_tokens=call.add_special_tokens,
                     lora_request=call.lora_request,
+                    priority=call.priority,
                 )
             )
     except BaseException:

@@ -48,9 +48,6 @@ def check_common(req: SamplingRequest) -> None:
     for name in UNSUPPORTED_FIELDS:
         if extra.get(name) not in (None, [], {}, ""):
             raise APIError(f"{name} is not supported by this server.", param=name)
-    if req.priority != 0:
-        raise APIError("priority needs --scheduling-policy priority, which this server does not offer yet; "
-                       "leave priority at 0.", param="priority")
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.use_beam_search:

@@ -184,8 +184,9 @@ def add_scheduler_flags(p: ServeParser) -> None:
     g.no_effect("--max-long-partial-prefills", type=int, default=None, note="see --max-num-partial-prefills")
     g.add("--long-prefill-token-threshold", type=int, default=0, note="max chunk per request (0: none)")
     g.no_effect("--num-lookahead-slots", type=int, default=None, note="speculation is set by --speculative-config")
-    g.refused("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-              note="requests are served first come, first served")
+    g.add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+          note="fcfs: arrival order; priority: lowest request `priority` first (ties by arrival), preempting "
+          "the worst running request for a better waiting one's slot")
     g.add("--enable-chunked-prefill", action=BOOL, default=True,
           note="chunked prefill mixed with decodes; --no-enable-chunked-prefill: prefill-first")
     g.no_effect("--disable-chunked-mm-input", action=BOOL, default=False, note="text models only")

@@ -254,6 +254,7 @@ class AsyncEngine:
         request_id: str | None = None,
         add_special_tokens: bool = True,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate and enqueue now; raises a typed error instead of returning a stream. With ``lora_request``
         (registered on first use, as vLLM does), a request whose adapter's weights are not in host memory is
@@ -278,7 +279,7 @@ class AsyncEngine:
         registry = core.lora
         if lora_request is not None and registry is None:
             raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="model")
-        request = core.make_request(token_ids, params, request_id)
+        request = core.make_request(token_ids, params, request_id, priority=priority)
         stream = RequestStream(self, request.request_id, params.output_kind is OutputKind.DELTA)
         self._streams[request.request_id] = stream
         if lora_request is None:
@@ -341,10 +342,14 @@ class AsyncEngine:
         request_id: str | None = None,
         add_special_tokens: bool = True,
         lora_request: LoRARequest | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
+        """vLLM's ``AsyncLLM.generate``: ``priority`` (keyword) needs ``scheduling_policy="priority"``; lower
+        is served first."""
         params = params or SamplingParams()
         await self.prepare(params)
-        stream = self.add_request(prompt, params, request_id, add_special_tokens, lora_request)
+        stream = self.add_request(prompt, params, request_id, add_special_tokens, lora_request, priority)
         try:
             async for out in stream:
                 yield out

@@ -221,9 +221,16 @@ class EngineCore:
         params: SamplingParams,
         request_id: str | None = None,
         lora: LoraAdapter | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate everything that can be known before the request runs; raise a typed error. ``lora``: the
-        adapter's host weights (``self.lora.resolve(name)``)."""
+        adapter's host weights (``self.lora.resolve(name)``); ``priority``: lower is served first, only under
+        ``scheduling_policy="priority"`` (vLLM refuses a non-zero one under fcfs too)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"Got priority {priority} but priority scheduling is not enabled (start with "
+                "--scheduling-policy priority).", param="priority",
+            )
         if lora is not None and self.lora is None:
             raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="model")
         if request_id is None:
@@ -272,7 +279,8 @@ class EngineCore:
             raise QueueFullError(
                 f"The waiting queue is full ({self.config.max_waiting} requests); retry later."
             )
-        request = Request(request_id, list(prompt_token_ids), params, max_tokens, self.eos_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens, self.eos_token_ids,
+                          priority=priority)
         request.lora = lora
         return request
 
@@ -345,8 +353,11 @@ class EngineCore:
     # -- the phases ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
+        preempted_before = self.scheduler.num_preemptions_total
         sched = self.scheduler.schedule()
         self.timings.schedule += time.perf_counter() - t0
+        if self.metrics is not None and self.scheduler.num_preemptions_total != preempted_before:
+            self.metrics.record_preemptions(self.scheduler.num_preemptions_total - preempted_before)
         return sched
 
     def execute(self, sched: SchedulerOutput) -> StepResult:

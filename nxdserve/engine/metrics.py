@@ -71,6 +71,10 @@ class EngineMetrics:
         self.prefix_cache_hits = Counter(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
         )
+        # --scheduling-policy priority: requests that gave their slot up to a better one (vLLM's counter).
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine", labels, registry=r
+        )
         self._model = model_name
         self._last_token_time: dict[str, float] = {}
         for gauge in (self.num_running, self.num_waiting, self.kv_usage):
@@ -113,6 +117,9 @@ class EngineMetrics:
             self.lora_info.remove(*self._lora_key)
         self._lora_key = key
         self.lora_info.labels(*key).set_to_current_time()
+
+    def record_preemptions(self, count: int) -> None:
+        self.num_preemptions.labels(self._model).inc(count)
 
     def record_prefix_cache(self, num_queried: int, num_hits: int) -> None:
         self.prefix_cache_queries.labels(self._model).inc(num_queried)

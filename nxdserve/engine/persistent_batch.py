@@ -45,6 +45,9 @@ class PersistentBatch:
         self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(s)]
         self.logit_bias: list[dict[int, float] | None] = [None] * s
         self.generators: list[torch.Generator | None] = [None] * s
+        # Seeded generators of preempted requests, by request id, until they resume: a resumed request samples
+        # the same sequence as one never preempted.
+        self.suspended_generators: dict[str, torch.Generator] = {}
         # LoRA: the adapter buffer slot each row's tokens use (written by a LoRA-enabled backend), -1: base.
         self.lora_slot = np.full(s, -1, dtype=np.int64)
         # Bumped whenever a slot is added or removed; backends cache derived tensors against it.
@@ -54,10 +57,18 @@ class PersistentBatch:
     def apply(self, plan: StepPlan) -> None:
         """Bring the batch up to ``plan``: free, then admit (a slot may be freed and taken again between two
         plans), then write each drafting row's drafts after its last real token."""
+        for slot in plan.preempted_slots:
+            request_id, generator = self.request_ids[slot], self.generators[slot]
+            if request_id is not None and generator is not None:
+                self.suspended_generators[request_id] = generator
+        for request_id in plan.discarded_request_ids:
+            self.suspended_generators.pop(request_id, None)
         for slot in plan.freed_slots:
             self.remove(slot)
         for new in plan.new_requests:
             self.add(new.slot, new.request_id, new.prompt_token_ids, new.params, new.min_tokens_stop_ids)
+            if new.resumed:
+                self.resume(new.slot, new.request_id, new.output_token_ids)
         drafts = plan.draft_token_ids
         if drafts is not None:
             rows = np.flatnonzero(plan.num_drafts > 0)
@@ -111,6 +122,15 @@ class PersistentBatch:
             torch.Generator().manual_seed(params.seed % (2**63)) if params.seed is not None else None
         )
         self.version += 1
+
+    def resume(self, slot: int, request_id: str, output_token_ids: list[int]) -> None:
+        """After ``add``: a preempted request's generated tokens follow its prompt, its prompt logprobs are not
+        computed again, and its seeded generator continues where it was."""
+        self.append(slot, output_token_ids)
+        self.num_prompt_logprobs[slot] = -1
+        generator = self.suspended_generators.pop(request_id, None)
+        if generator is not None:
+            self.generators[slot] = generator
 
     def remove(self, slot: int) -> None:
         self.active[slot] = False

@@ -43,9 +43,12 @@ class Request:
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_preemptions",
         "output_token_ids",
         "params",
+        "priority",
         "prompt_token_ids",
+        "prompt_tokens_counted",
         "request_id",
         "slot",
         "spec_alt_ids",
@@ -62,6 +65,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -70,6 +74,7 @@ class Request:
         # ignore_eos drops eos from the stop set entirely (vLLM's update_from_generation_config).
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # --scheduling-policy priority: lower is served first (vLLM)
         self.first_scheduled_time: float | None = None
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -78,6 +83,9 @@ class Request:
         self.spec_alt_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV its slot already held at admission (prefix caching)
+        self.num_preemptions = 0  # times it gave its slot up and went back to waiting (priority scheduling)
+        # Prompt tokens already counted as prefill work: a resumed request recomputes them, uncounted.
+        self.prompt_tokens_counted = 0
         self.slot: int | None = None
         self.stop_reason: int | str | None = None
         self.lora: LoraAdapter | None = None  # the adapter it runs with (host weights); None: the base model

@@ -6,9 +6,12 @@ the persistent batch (the per-slot token and sampling-parameter arrays) and brin
 the plan's diffs at the start of ``execute``, in its own thread, as vLLM V1's model runner does with its
 scheduler output:
 
-- ``freed_slots``: slots whose request finished or was aborted since the previous plan (applied first:
-  a slot may be freed and taken again between two plans);
-- ``new_requests``: requests admitted in this plan, with their slot, prompt and sampling parameters;
+- ``freed_slots``: slots whose request finished, was aborted or was preempted since the previous plan
+  (applied first: a slot may be freed and taken again between two plans); ``preempted_slots`` says which of
+  them a preemption freed, so that the request's sampling generator waits for its resumption;
+- ``new_requests``: requests admitted in this plan, with their slot, prompt and sampling parameters; a
+  resumed request (preempted earlier) also carries the tokens it had generated, to recompute;
+- ``discarded_request_ids``: preempted requests that finished while waiting (their kept state goes);
 - ``draft_token_ids``: each row's drafts, to run after its last real token.
 
 Tokens a step samples are appended by the backend itself at the end of ``execute`` (``num_sampled[r]``
@@ -64,6 +67,9 @@ class BackendCapabilities:
     eos_token_ids: tuple[int, ...] = ()
     # The model is a vision-language model the backend drives end to end: prompts may carry images.
     image_inputs: bool = False
+    # A preempted request may come back as a new request whose prompt is followed by its generated tokens
+    # (NewRequest.output_token_ids), recomputed like a prompt (priority scheduling's preemption).
+    resume_by_recompute: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,10 @@ class NewRequest:
     min_tokens_stop_ids: list[int]
     # The LoRA adapter the request runs with (nxdserve.lora.adapter.LoraAdapter, host weights); None: base.
     lora: LoraAdapter | None = None
+    # A resumed request (preempted before): the tokens it had generated, written after the prompt and
+    # recomputed with it; its prompt logprobs were sent already and its seeded generator continues.
+    output_token_ids: list[int] = field(default_factory=list)
+    resumed: bool = False
 
 
 @dataclass
@@ -100,6 +110,8 @@ class StepPlan:
     draft_alternatives: np.ndarray | None = None
     # -- diffs to the backend's persistent batch, applied in this order ----------------------------
     freed_slots: list[int] = field(default_factory=list)
+    preempted_slots: list[int] = field(default_factory=list)  # among freed_slots: their requests will resume
+    discarded_request_ids: list[str] = field(default_factory=list)  # preempted, then finished while waiting
     new_requests: list[NewRequest] = field(default_factory=list)
     # (R, max drafts) int64, -1 padded: row r's drafts in its first num_drafts[r] columns. None: no drafts.
     draft_token_ids: np.ndarray | None = None

@@ -16,10 +16,21 @@ differ in how a step may mix them:
   runs when a slot is free and the head prompt fits, but never more than
   ``max_consecutive_prefill_steps`` in a row while decodes wait (anti-starvation).
 
-Slots are whole KV lines, reserved at admission, so nothing is ever preempted. The scheduler never
-touches the backend's persistent batch: each plan carries what changed since the previous one (freed
-slots, new requests, drafts; see nxdserve/engine/step.py), and a finish or abort between steps only
-records its freed slot for the next plan.
+Slots are whole KV lines, reserved at admission, so a running request never runs out of KV and fcfs never
+preempts. The scheduler never touches the backend's persistent batch: each plan carries what changed since
+the previous one (freed slots, new requests, drafts; see nxdserve/engine/step.py), and a finish or abort
+between steps only records its freed slot for the next plan.
+
+Priority scheduling (``scheduling_policy="priority"``, nxdserve.scheduler.policy): the waiting queue is sorted
+by (priority, arrival), and preemption happens at admission, the one place here where a request can lack KV:
+when the head of the queue would be admitted now but every slot is taken, the running request with the
+worst (priority, arrival) gives its slot up, if that is worse than the head's. vLLM preempts the same victim,
+but only when a running request's next KV block cannot be allocated (a waiting request never preempts
+there); with a slot per request that never happens, so slot exhaustion is the trigger. The victim keeps its
+output tokens, goes back to the waiting queue by its key, and resumes by recomputing prompt and output (as
+vLLM V1 does; with prefix caching its old line is reused if still free). Not victims: requests admitted in
+this plan, ones too long to recompute as one prompt (``max_prompt_len``), and ones still computing a prompt
+whose prompt logprobs were requested (already sent in part).
 
 Prefix caching (``enable_prefix_caching``, where prompts may start mid-slot): a freed slot remembers the
 tokens whose KV its line still holds, and a waiting prompt takes the free slot that shares the longest
@@ -34,7 +45,6 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +52,7 @@ import numpy as np
 from nxdserve.config import EngineConfig
 from nxdserve.engine.request import Request, RequestStatus
 from nxdserve.engine.step import BackendCapabilities, NewRequest, RequestUpdate, StepPlan, StepResult
+from nxdserve.scheduler.policy import WaitingQueue, priority_key
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +92,11 @@ class Scheduler:
         self.whole_prompt_overflow = (config.whole_prompt_overflow or 0) if self.chunked else 0
         self.max_consecutive_prefills = config.max_consecutive_prefill_steps
         self.max_prefills_per_step = caps.max_prefills_per_step
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.by_priority = self.waiting.by_priority
+        # Longest request a preemption may leave to recompute: it comes back as one prompt.
+        self.max_recompute_len = caps.max_prompt_len if caps.resume_by_recompute else 0
+        self.num_preemptions_total = 0
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._free_slots = list(range(self.max_num_seqs))  # a heap: lowest slot first keeps lines dense
@@ -104,12 +119,14 @@ class Scheduler:
         self._cached_since_plan = 0
         self._freed_since_plan: list[int] = []
         self._new_since_plan: list[NewRequest] = []
+        self._preempted_since_plan: list[int] = []  # slots among _freed_since_plan that a preemption freed
+        self._discarded_since_plan: list[str] = []  # preempted requests that finished while waiting
         self._consecutive_prefill_steps = 0
 
     # -- requests in and out -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, stop-string, error) requests; unknown or finished ids are ignored."""
@@ -120,6 +137,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.WAITING:
                 self.waiting.remove(request)
+                if request.num_preemptions:
+                    self._discarded_since_plan.append(request.request_id)
             request.status = status
             self._free(request)
             finished.append(request)
@@ -157,16 +176,17 @@ class Scheduler:
             return self._free_slots[0], 0
         best, best_len = -1, 0
         if request.params.prompt_logprobs is None and self._resident:
-            prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            # A resumed request's outputs are part of what it recomputes: its old line may still hold them.
+            tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
             for slot in self._free_slots:
                 held = self._resident.get(slot)
-                if held is not None and held[0] == prompt[0] and self._resident_lora.get(slot) == request.lora_name:
-                    n = _common_prefix_len(held, prompt)
+                if held is not None and held[0] == tokens[0] and self._resident_lora.get(slot) == request.lora_name:
+                    n = _common_prefix_len(held, tokens)
                     if n > best_len:
                         best, best_len = slot, n
         if best < 0:  # keep what other slots hold: one that holds nothing, else the longest free
             best = min(self._free_slots, key=lambda s: (s in self._resident, self._freed_at.get(s, 0), s))
-        return best, min(best_len, request.num_prompt_tokens - 1)
+        return best, min(best_len, request.num_tokens - 1)
 
     def adapter_names(self) -> tuple[list[str], list[str]]:
         """(running, waiting) LoRA adapters, sorted: the labels of vllm:lora_requests_info."""
@@ -189,18 +209,71 @@ class Scheduler:
             self._free_slots.remove(slot)
             heapq.heapify(self._free_slots)
         self._resident.pop(slot, None)
-        request.num_computed_tokens = request.num_cached_tokens = cached
-        if self.prefix_caching:
-            self._queried_since_plan += request.num_prompt_tokens
-            self._cached_since_plan += cached
+        request.num_computed_tokens = cached
+        resumed = request.num_preemptions > 0
+        if not resumed:  # prefix-cache stats and num_cached_tokens describe the first admission (vLLM)
+            request.num_cached_tokens = cached
+            if self.prefix_caching:
+                self._queried_since_plan += request.num_prompt_tokens
+                self._cached_since_plan += cached
         request.slot = slot
         request.status = RequestStatus.RUNNING
-        request.first_scheduled_time = time.monotonic()
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         self._new_since_plan.append(NewRequest(
             slot, request.request_id, request.prompt_token_ids, request.params, request.stop_ids_for_min_tokens(),
-            lora=request.lora,
+            lora=request.lora, output_token_ids=list(request.output_token_ids), resumed=resumed,
         ))  # fmt: skip
         self.running.append(request)
+
+    # -- priority preemption -----------------------------------------------------------------------
+    @property
+    def _has_room(self) -> bool:
+        return bool(self._free_slots) and len(self.running) < self.max_num_seqs
+
+    def _victim_for(self, request: Request) -> Request | None:
+        """The running request to preempt so that ``request`` gets a slot: the worst by (priority, arrival)
+        among those that may be preempted, if it is worse than ``request``. None under fcfs."""
+        if not self.by_priority:
+            return None
+        admitted_now = {new.request_id for new in self._new_since_plan}
+        candidates = [
+            r for r in self.running
+            if r.request_id not in admitted_now
+            and r.num_tokens <= self.max_recompute_len
+            and not (r.params.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens)
+        ]  # fmt: skip
+        if not candidates:
+            return None
+        victim = max(candidates, key=priority_key)
+        return victim if priority_key(victim) > priority_key(request) else None
+
+    def _preempt(self, victim: Request, rows: list[tuple[Request, int]]) -> int:
+        """Give ``victim``'s slot up and queue it to resume; returns the tokens it had been given in this step."""
+        refund = 0
+        for i, (request, num_new) in enumerate(rows):
+            if request is victim:
+                refund = num_new
+                del rows[i]
+                break
+        slot = victim.slot
+        assert slot is not None
+        self.running.remove(victim)
+        if self.prefix_caching:  # its KV stays in the line until another request takes it
+            self._remember(victim)
+        heapq.heappush(self._free_slots, slot)
+        self._freed_since_plan.append(slot)
+        self._preempted_since_plan.append(slot)
+        victim.slot = None
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.spec_alt_ids = []
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add(victim)
+        logger.debug("preempted %s (priority %d) from slot %d", victim.request_id, victim.priority, slot)
+        return refund
 
     @property
     def has_unfinished(self) -> bool:
@@ -254,18 +327,26 @@ class Scheduler:
         # A prompt that fits one step's budget runs whole, up to whole_prompt_overflow tokens past the budget,
         # rather than being split (see config.DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW).
         overflow = self.whole_prompt_overflow
-        while self.waiting and budget + overflow > 0 and self._free_slots and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget + overflow > 0:
+            if not self._has_room and not self.by_priority:
+                break
             request = self.waiting.popleft()
             if not self._lora_fits(request):  # vLLM too defers it and lets later requests go ahead
                 skipped.append(request)
                 continue
+            if not self._has_room:  # priority: a slot only by preempting a worse request
+                num_new, stays_partial = self._chunk(request, budget, 0)
+                if stays_partial and partial >= self.max_partial_prefills:
+                    skipped.append(request)  # would not run now: preempt nothing for it
+                    continue
+                victim = self._victim_for(request) if num_new else None
+                if victim is None:
+                    self.waiting.appendleft(request)
+                    break
+                partial -= victim.num_computed_tokens + scheduled.get(id(victim), 0) < victim.num_prompt_tokens
+                budget += self._preempt(victim, rows)
             slot, cached = self._pick_slot(request)
-            num_new = self._tokens_to_run(request, max(budget, 0), cached)
-            whole = self._tokens_to_run(request, self.token_budget, cached)
-            fits = whole <= budget + overflow
-            if num_new < whole and fits and whole == request.num_tokens_with_spec - cached:
-                num_new = whole
-            stays_partial = cached + num_new < request.num_prompt_tokens
+            num_new, stays_partial = self._chunk(request, budget, cached)
             if stays_partial and partial >= self.max_partial_prefills:
                 skipped.append(request)
                 continue
@@ -278,24 +359,38 @@ class Scheduler:
             partial += stays_partial
         self.waiting.extendleft(reversed(skipped))
 
+    def _chunk(self, request: Request, budget: int, cached: int) -> tuple[int, bool]:
+        """(tokens a waiting request runs in this step, whether its prompt stays partial), chunked policy."""
+        num_new = self._tokens_to_run(request, max(budget, 0), cached)
+        whole = self._tokens_to_run(request, self.token_budget, cached)
+        fits = whole <= budget + self.whole_prompt_overflow
+        if num_new < whole and fits and whole == request.num_tokens_with_spec - cached:
+            num_new = whole
+        return num_new, cached + num_new < request.num_prompt_tokens
+
     def _schedule_prefill_first(self, rows: list[tuple[Request, int]]) -> None:
         decodes_waiting = bool(self.running)
         may_prefill = (
             self.waiting
-            and self._free_slots
-            and len(self.running) < self.max_num_seqs
+            and (self._has_room or self.by_priority)
             and (not decodes_waiting or self._consecutive_prefill_steps < self.max_consecutive_prefills)
         )
         if may_prefill:
             budget = self.token_budget
-            while self.waiting and self._free_slots and len(self.running) < self.max_num_seqs:
+            while self.waiting and (self._has_room or self.by_priority):
                 if self.max_prefills_per_step is not None and len(rows) >= self.max_prefills_per_step:
                     break
                 request = self.waiting[0]
                 if not self._lora_fits(request):
                     break  # strict head-of-line, as for the token budget
+                if not self._has_room:  # priority: a slot only by preempting a worse request
+                    victim = self._victim_for(request) if request.num_tokens <= budget else None
+                    if victim is None:
+                        break
+                    self._preempt(victim, rows)  # a decode-step victim: no rows in a prefill step
                 slot, cached = self._pick_slot(request)
-                need = request.num_prompt_tokens - cached
+                # A resumed request recomputes its outputs too, as one prompt.
+                need = request.num_tokens - cached
                 if need > budget:
                     break  # never split a prompt; strict head-of-line
                 self.waiting.popleft()
@@ -336,8 +431,12 @@ class Scheduler:
                     alternatives.append((i, request.spec_alt_ids))
             request.spec_alt_ids = []  # verified with this step's drafts, or never
             sample[i] = computed + num_new >= request.num_tokens
-            if computed < request.num_prompt_tokens:
-                prefill_tokens += min(num_new, request.num_prompt_tokens - computed)
+            # Prompt tokens count once, not again when a preempted request recomputes them.
+            counted_from = max(computed, request.prompt_tokens_counted)
+            prompt_end = min(computed + num_new, request.num_prompt_tokens)
+            if prompt_end > counted_from:
+                prefill_tokens += prompt_end - counted_from
+                request.prompt_tokens_counted = prompt_end
             # Optimistic, as vLLM: rejected drafts are rolled back in update_from_output.
             request.num_computed_tokens = computed + num_new
             requests.append(request)
@@ -351,6 +450,8 @@ class Scheduler:
         if n:  # an empty plan never runs: its diffs wait for the next one
             plan.freed_slots, self._freed_since_plan = self._freed_since_plan, []
             plan.new_requests, self._new_since_plan = self._new_since_plan, []
+            plan.preempted_slots, self._preempted_since_plan = self._preempted_since_plan, []
+            plan.discarded_request_ids, self._discarded_since_plan = self._discarded_since_plan, []
         if drafting:
             table = np.full((n, max(len(ids) for _, ids in drafting)), -1, dtype=np.int64)
             for i, ids in drafting:

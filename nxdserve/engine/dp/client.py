@@ -261,7 +261,7 @@ class DataParallelEngine:
         return min(ready, key=lambda h: len(h.streams))
 
     def _validate(self, handle: _EngineProcessHandle, token_ids: list[int], params: SamplingParams,
-                  request_id: str) -> None:
+                  request_id: str, priority: int = 0) -> None:
         """The engine's own admission checks, here, so a bad request is refused before a stream exists (a 400
         with its ``param``, as with one engine). The engine process checks again, backend specifics included."""
         facts = handle.facts
@@ -274,12 +274,13 @@ class DataParallelEngine:
             structured=SimpleNamespace(compiler=self._grammars),
             max_model_len=facts.max_model_len, eos_token_ids=frozenset(),
         )
-        EngineCore.make_request(stand_in, token_ids, params, request_id)  # type: ignore[arg-type]
+        EngineCore.make_request(stand_in, token_ids, params, request_id, priority=priority)  # type: ignore[arg-type]
         if self.config.max_waiting is not None and len(handle.streams) >= facts.max_num_seqs + self.config.max_waiting:
             raise QueueFullError(f"The waiting queue is full ({self.config.max_waiting} requests); retry later.")
 
     def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                    add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> RequestStream:
+                    add_special_tokens: bool = True, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> RequestStream:
         """Validate and send to the least loaded engine now; raises a typed error instead of returning a stream."""
         import uuid
 
@@ -296,11 +297,11 @@ class DataParallelEngine:
         handle = self._pick()
         request_id = request_id or uuid.uuid4().hex
         token_ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) and prompt else prompt
-        self._validate(handle, list(token_ids or []), dataclasses.replace(params), request_id)
+        self._validate(handle, list(token_ids or []), dataclasses.replace(params), request_id, priority)
         stream = RequestStream(self, request_id, merge_deltas=False)  # outputs arrive one message each
         assert handle.conn is not None
         try:
-            handle.conn.send(("add", request_id, prompt, params, add_special_tokens))
+            handle.conn.send(("add", request_id, prompt, params, add_special_tokens, priority))
         except OSError as exc:
             raise EngineDeadError(f"data-parallel engine {handle.index} is gone: {exc}") from exc
         handle.streams[request_id] = stream

@@ -95,9 +95,11 @@ class _EngineProcess:
             if message[0] == "shutdown":
                 return
 
-    def _add(self, engine: Any, request_id: str, prompt: str | list[int], params: Any, add_special: bool) -> None:
+    def _add(self, engine: Any, request_id: str, prompt: str | list[int], params: Any, add_special: bool,
+             priority: int = 0) -> None:
         try:
-            stream = engine.add_request(prompt, params, request_id=request_id, add_special_tokens=add_special)
+            stream = engine.add_request(prompt, params, request_id=request_id, add_special_tokens=add_special,
+                                        priority=priority)
         except Exception as exc:
             self.send(("error", request_id, to_wire(exc)))
             return

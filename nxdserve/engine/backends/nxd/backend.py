@@ -199,7 +199,8 @@ class NxdBackend(Backend):
     def _context_encode(self, plan: StepPlan, row: int, step: _StepOutputs) -> None:
         assert self.batch is not None
         slot, start, n = int(plan.slots[row]), int(plan.start_pos[row]), int(plan.num_scheduled[row])
-        length = int(self.batch.num_prompt_tokens[slot])
+        # The slot's tokens: its prompt, and for a request resumed after a preemption its outputs too.
+        length = int(self.batch.num_tokens[slot])
         if start != 0 or n != length:
             raise RuntimeError(
                 f"NxD context encoding runs a whole prompt in one call; got positions {start}..{start + n} of a "
