@@ -80,3 +80,22 @@ def test_quantized_model_runs_through_the_emulator_as_on_torch(method: str) -> N
     again = make_core(model, "nxd", quantization=method, max_model_len=64)
     assert len(application_base.SAVE_QUANTIZED_LOG) == before + 1
     assert tokens(run(again, PROMPTS, greedy(8))) == nxd_tokens
+
+
+def test_overrides_reach_nxd_and_a_folder_gets_safetensors(tmp_path: Path) -> None:
+    """--override-neuron-config on top of the mapping: per-tensor scales, and a checkpoint folder NxD fills
+    with safetensors (in place: it exists before the save)."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "quantized"
+    folder.mkdir()
+    overrides = {"quantization_type": "per_tensor_symmetric", "quantized_checkpoints_path": str(folder)}
+    core = make_core(str(tiny_model_path("llama")), "nxd", quantization="int8", max_model_len=64,
+                     override_neuron_config=overrides)  # fmt: skip
+    state = load_file(str(folder / "model.safetensors"))
+    assert state["layers.1.mlp.down_proj.scale"].shape == (1, 1)  # one scale for the whole tensor
+    qkv = core.backend.app.target.model.layers[0].qkv_weight
+    assert isinstance(qkv, QuantLinear) and qkv.kind == "int8"
+    q_rows = state["layers.0.self_attn.q_proj.weight"].shape[0]
+    assert torch.all(qkv.scales[:q_rows] == state["layers.0.self_attn.q_proj.scale"].reshape(()))
+    assert all(len(t) == 6 for t in tokens(run(core, PROMPTS, greedy(6))))

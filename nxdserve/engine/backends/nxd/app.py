@@ -168,13 +168,17 @@ def _quantize_once(cls: Any, model_path: Path, inference_config: Any) -> None:
     from filelock import FileLock
 
     target = Path(nc.quantized_checkpoints_path)
-    if target.exists():
+    if _has_quantized_checkpoint(target):
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / f".{target.name}.lock")):
-        if target.exists():
+        if _has_quantized_checkpoint(target):
             return
         started = time.monotonic()
+        if target.is_dir():  # NxD writes safetensors into a folder the user named: in place
+            with _progress("quantizing", started):
+                cls.save_quantized_state_dict(str(model_path), inference_config)
+            return
         tmp = target.parent / f".{target.name}.tmp"
         nc.quantized_checkpoints_path = str(tmp)  # NxD writes where the config says
         try:
@@ -187,6 +191,11 @@ def _quantize_once(cls: Any, model_path: Path, inference_config: Any) -> None:
                 tmp.unlink()
         logger.info("NxD: wrote the %s %s checkpoint %s in %.1f s", nc.quantization_type, nc.quantization_dtype,
                     target, time.monotonic() - started)  # fmt: skip
+
+
+def _has_quantized_checkpoint(target: Path) -> bool:
+    """A file NxD torch.save'd, or a folder it saved safetensors into."""
+    return target.is_file() or (target.is_dir() and any(target.glob("*.safetensors")))
 
 
 def _is_complete(folder: Path, exact: bool) -> bool:
