@@ -133,6 +133,14 @@ def test_unsupported_schemes_are_config_errors_naming_them(tmp_path: Path) -> No
     (block / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"8-bit float, strategy block.*not block-wise FP8"):
         CompressedCheckpoint(block)
+    marlin = tmp_path / "marlin"
+    shutil.copytree(compressed_model_path("w4a16"), marlin)
+    config = json.loads((marlin / "config.json").read_text())
+    config["quantization_config"]["format"] = "marlin-24"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = "marlin-24"
+    (marlin / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="stored as 'marlin-24'; served formats: pack-quantized"):
+        CompressedCheckpoint(marlin)
 
 
 def test_engine_serves_a_compressed_checkpoint_without_the_flag() -> None:

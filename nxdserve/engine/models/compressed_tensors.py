@@ -48,6 +48,8 @@ _PARTS = {
     "mlp.gate_proj": ("gate_up_weight", 0), "mlp.up_proj": ("gate_up_weight", 1),
     "mlp.down_proj": ("down_weight", 0),
 }  # fmt: skip
+# The library's compression formats whose codes are read here (quantization only: no sparse / marlin layouts).
+_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 # The tensors a compressed module stores besides its codes (local names).
 _QPARAMS = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale", "input_zero_point")
 
@@ -168,6 +170,9 @@ class CompressedCheckpoint:
                 self._dense.append((file, key))
 
     def _check_scheme(self, module: str, scheme: Any) -> None:
+        fmt = _v(scheme.format or self.config.format)
+        if fmt not in _FORMATS:
+            raise ConfigError(f"{METHOD}: {module} is stored as {fmt!r}; served formats: {', '.join(_FORMATS)}.")
         w = scheme.weights
         what = f"{METHOD}: {module}'s weights ({w.num_bits}-bit {_v(w.type)}, strategy {_v(w.strategy)})"
         if w.type == "int" and w.num_bits not in (4, 8):
