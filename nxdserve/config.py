@@ -33,7 +33,9 @@ DEFAULT_CPU_WHOLE_PROMPT_OVERFLOW = 0.5
 
 
 # --quantization values (engine.models.quant.METHODS, plus gguf); vLLM's names where vLLM has one.
-QUANTIZATION_METHODS = ("fp8", "int8", "rtn-int8", "int4", "rtn", "int4-g32", "int4-g64", "int4-g128", "gguf")
+QUANTIZATION_METHODS = (
+    "fp8", "int8", "rtn-int8", "int4", "rtn", "int4-g32", "int4-g64", "int4-g128", "gguf", "compressed-tensors",
+)  # fmt: skip
 
 
 @dataclass
@@ -99,7 +101,8 @@ class EngineConfig:
     # -- end of issue 27's block --
     data_parallel_size: int = 1  # engine processes behind one API server (nxdserve.engine.dp)
     # Weight format (--quantization): None = dense in ``dtype``; a name in engine.models.quant.METHODS quantizes
-    # a dense checkpoint at load; "gguf" keeps a .gguf model's own quantized blocks.
+    # a dense checkpoint at load; "gguf" keeps a .gguf model's own quantized blocks; "compressed-tensors" a
+    # pre-quantized checkpoint's codes (auto-detected from its config.json: engine.models.compressed_tensors).
     quantization: str | None = None
 
     def resolve(

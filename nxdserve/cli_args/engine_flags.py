@@ -56,7 +56,9 @@ def add_model_flags(p: ServeParser) -> None:
     g.add("--quantization", "-q", type=nullable_str, default=None, choices=[None, *QUANTIZATION_METHODS],
           note="weight-only, online from a dense checkpoint: fp8 (e4m3 per channel), int8 / rtn-int8 (per channel), "
           "int4 (group 32), rtn (4-bit group 128, as vLLM's rtn), int4-g32/64/128; gguf: a .gguf model served "
-          "from its own 4-bit blocks (the default model too); torch backend")  # fmt: skip
+          "from its own 4-bit blocks (the default model too); compressed-tensors: an llm-compressor checkpoint "
+          "from its own codes (auto-detected from config.json); nxd backend: int8 / fp8 through NxD's "
+          "per-channel quantization (docs/quantization.md)")  # fmt: skip
     g.no_effect("--enforce-eager", action=BOOL, default=False, note=NO_CUDA_GRAPHS)
     g.add("--max-logprobs", type=int, default=20, note="largest logprobs / top_logprobs a request may ask")
     g.refused("--logprobs-mode", default="raw_logprobs", note="nxdserve returns raw logprobs")

@@ -24,6 +24,7 @@ from nxdserve.config import EngineConfig
 from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.models import SlotModelRunner, cpu_setup, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
+from nxdserve.engine.models.compressed_tensors import resolve_quantization
 from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.persistent_batch import PersistentBatch
@@ -85,6 +86,8 @@ class TorchBackend(Backend):
         self._max_threads = threads
         self.thread_binding = ThreadBinding([] if self.device.type != "cpu" else None, config.cpu.bind_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # A pre-quantized checkpoint names its own format (vLLM's auto-detection); a clashing flag fails here.
+        config.quantization = resolve_quantization(config.quantization, model_path)
         started = time.perf_counter()
         self.runner = SlotModelRunner.from_pretrained(
             model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device
@@ -93,7 +96,7 @@ class TorchBackend(Backend):
         if config.quantization is not None:
             from nxdserve.engine.models.quant import quantize_model
 
-            quantize_model(self.model, config.quantization, _gguf_file(config))
+            quantize_model(self.model, config.quantization, _gguf_file(config), checkpoint=model_path)
             logger.info("weights: --quantization %s", config.quantization)
         logger.info(
             "torch backend: %s on %s in %s, %d slots x %d positions (KV cache %.0f MiB), loaded in %.1f s",

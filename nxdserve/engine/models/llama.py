@@ -235,7 +235,7 @@ class LlamaFamilyModel(nn.Module):
 
         hf_config = load_hf_config(path)
         model = cls(ModelSpec.from_hf_config(hf_config), hf_config, dtype, device, max_len)
-        model.load_weights(_iter_safetensors(Path(path)))
+        model.load_weights(checkpoint_tensors(Path(path)))
         return model.eval()
 
     @property
@@ -413,6 +413,18 @@ class LlamaFamilyModel(nn.Module):
                 yield from (p + "mlp.gate_up.bias", p + "mlp.down_proj.bias")
             if s.qk_norm:
                 yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+
+
+def checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's HF-named dense tensors; a compressed-tensors checkpoint's quantized modules come
+    decompressed (``compressed_tensors.py``; the backend then puts their codes in place)."""
+    from nxdserve.engine.models.compressed_tensors import METHOD, checkpoint_quant_method
+
+    if checkpoint_quant_method(folder) == METHOD:
+        from nxdserve.engine.models.compressed_tensors import CompressedCheckpoint
+
+        return CompressedCheckpoint(folder).dense_weights()
+    return _iter_safetensors(folder)
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -160,9 +160,20 @@ def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
     return quantize_int4(weight, group)
 
 
-def quantize_model(model: Any, method: str, gguf_path: Path | None = None) -> None:
+def quantize_model(model: Any, method: str, gguf_path: Path | None = None, checkpoint: Path | None = None) -> None:
     """Apply ``--quantization method`` to a loaded ``LlamaFamilyModel``: quantize its dense linears (a name in
-    ``METHODS``), or (``gguf``) put the file's own blocks in their place."""
+    ``METHODS``), or put a file's own codes in their place: ``gguf`` (the .gguf file's blocks) or
+    ``compressed-tensors`` (the ``checkpoint`` folder's, ``compressed_tensors.py``)."""
+    if method == "compressed-tensors":
+        from nxdserve.engine.models.compressed_tensors import CompressedCheckpoint
+
+        if checkpoint is None:
+            raise ConfigError("--quantization compressed-tensors: needs the checkpoint folder.")
+        quantized = CompressedCheckpoint(checkpoint).quantized_linears(len(model.layers))
+        if not quantized:
+            raise ConfigError(f"--quantization compressed-tensors: {checkpoint} holds no quantized linears.")
+        model.quantize_linears(lambda name, _weight: quantized.get(name))
+        return
     if method != "gguf":
         if method not in METHODS:
             raise ConfigError(f"--quantization {method!r}: expected one of {', '.join(METHODS)} or gguf.")

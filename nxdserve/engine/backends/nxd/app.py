@@ -66,7 +66,7 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
 
     cls = pick_model_class(hf_config, MODEL_TYPES)
     refuse_image_to_text(cls, hf_config)
-    kwargs, draft_overrides = merge_overrides(default_neuron_config(config), config.override_neuron_config)
+    kwargs, draft_overrides = merge_overrides(default_neuron_config(config, model_path), config.override_neuron_config)
     if isinstance(kwargs.get("lora_config"), dict):
         from neuronx_distributed_inference.modules.lora_serving import LoraServingConfig
 
@@ -102,6 +102,7 @@ def load_application(model_path: Path, config: EngineConfig, hf_config: Any) -> 
     else:
         app = _compile_once(cls, model_path, inference_config, folder, exact)
     compiled_now = app is not None
+    _quantize_once(cls, model_path, inference_config)
 
     nc = inference_config.neuron_config
     logger.info(
@@ -143,8 +144,7 @@ def _compile_once(cls: Any, model_path: Path, inference_config: Any, folder: Pat
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:
             app = cls(str(model_path), inference_config)
-            if getattr(inference_config.neuron_config, "quantized", False):
-                cls.save_quantized_state_dict(str(model_path), inference_config)
+            _quantize_once(cls, model_path, inference_config)
             with _progress("compiling", started):
                 app.compile(str(tmp))
             (tmp / COMPLETE_MARKER).write_text(json.dumps({"created": time.time(), "model": str(model_path)}))
@@ -156,6 +156,46 @@ def _compile_once(cls: Any, model_path: Path, inference_config: Any, folder: Pat
             raise
         logger.info("NxD: compiled in %.1f s", time.monotonic() - started)
     return app
+
+
+def _quantize_once(cls: Any, model_path: Path, inference_config: Any) -> None:
+    """A quantized config needs NxD's quantized checkpoint before compiling and loading: written by the
+    application's own ``save_quantized_state_dict`` when it is not there yet (once per model and format),
+    into a temporary name renamed into place, so an interrupted write is never loaded."""
+    nc = inference_config.neuron_config
+    if not getattr(nc, "quantized", False):
+        return
+    from filelock import FileLock
+
+    target = Path(nc.quantized_checkpoints_path)
+    if _has_quantized_checkpoint(target):
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if _has_quantized_checkpoint(target):
+            return
+        started = time.monotonic()
+        if target.is_dir():  # NxD writes safetensors into a folder the user named: in place
+            with _progress("quantizing", started):
+                cls.save_quantized_state_dict(str(model_path), inference_config)
+            return
+        tmp = target.parent / f".{target.name}.tmp"
+        nc.quantized_checkpoints_path = str(tmp)  # NxD writes where the config says
+        try:
+            with _progress("quantizing", started):
+                cls.save_quantized_state_dict(str(model_path), inference_config)
+            tmp.rename(target)
+        finally:
+            nc.quantized_checkpoints_path = str(target)
+            if tmp.is_file():
+                tmp.unlink()
+        logger.info("NxD: wrote the %s %s checkpoint %s in %.1f s", nc.quantization_type, nc.quantization_dtype,
+                    target, time.monotonic() - started)  # fmt: skip
+
+
+def _has_quantized_checkpoint(target: Path) -> bool:
+    """A file NxD torch.save'd, or a folder it saved safetensors into."""
+    return target.is_file() or (target.is_dir() and any(target.glob("*.safetensors")))
 
 
 def _is_complete(folder: Path, exact: bool) -> bool:

@@ -37,6 +37,7 @@ from nxdserve.engine.backends.nxd.app import LoadedApp, load_application, nxd_ve
 from nxdserve.engine.backends.nxd.inputs import NxdCall, cte_call, sampling_rows, tkg_call
 from nxdserve.engine.backends.nxd.neuron_config import FUSED_METHODS, NxdSettings
 from nxdserve.engine.backends.nxd.outputs import read_fused, read_logits, read_tokens
+from nxdserve.engine.models.compressed_tensors import resolve_quantization
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.sampling.sampler import Sampler
 from nxdserve.engine.step import BackendCapabilities, FusedSpecResult, LogprobsBlock, StepPlan, StepResult
@@ -76,12 +77,9 @@ class NxdBackend(Backend):
     def __init__(self, model_path: Path, config: EngineConfig, loaded: LoadedApp | None = None) -> None:
         if config.max_model_len is None:
             raise ConfigError("NxdBackend needs a resolved EngineConfig (max_model_len is unset).")
-        if config.quantization is not None:  # issue 29 item 4: not mapped onto NxD's keys yet
-            raise ConfigError(
-                f"--quantization {config.quantization}: the nxd backend does not map it yet; set NxD's own keys "
-                '(e.g. --override-neuron-config \'{"quantized": true, "quantization_dtype": "int8", ...}\') '
-                "or use --backend torch."
-            )
+        # --quantization maps onto NxD's own keys (neuron_config.quantization_neuron_config); a pre-quantized
+        # checkpoint is detected as on torch, then refused there with what to use instead.
+        config.quantization = resolve_quantization(config.quantization, model_path)
         hf_config = load_hf_config(model_path)
         self.loaded = loaded or load_application(model_path, config, hf_config)
         self.app = self.loaded.app

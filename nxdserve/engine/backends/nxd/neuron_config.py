@@ -41,12 +41,22 @@ FUSED_METHODS = frozenset({"draft_model", "eagle", "eagle3"})
 UNSUPPORTED_OVERRIDES = ("is_block_kv_layout", "is_prefix_caching", "chunked_prefill_config", "async_mode")
 
 
+# --quantization -> NxD Inference's weight quantization dtype (NeuronConfig.quantization_dtype; NxD's
+# QuantizedDtype names). NxD quantizes a dense checkpoint itself, per output channel, symmetric.
+NXD_QUANTIZATION_DTYPES = {"int8": "int8", "rtn-int8": "int8", "fp8": "f8e4m3"}
+# The NeuronConfig keys that mapping sets (a fused draft does not inherit them: it would share the checkpoint).
+QUANTIZATION_KEYS = (
+    "quantized", "quantized_checkpoints_path", "quantization_type", "quantization_dtype", "modules_to_not_convert",
+)  # fmt: skip
+
+
 def neuron_dtype(dtype: str) -> str:
     """``auto`` is bfloat16 on Neuron (NxD's default and the devices' native type)."""
     return "bfloat16" if dtype == "auto" else dtype
 
 
-def default_neuron_config(config: EngineConfig) -> dict[str, Any]:
+def default_neuron_config(config: EngineConfig, model_path: Path | None = None) -> dict[str, Any]:
+    """``model_path``: the checkpoint (names the quantized checkpoint with --quantization)."""
     assert config.max_model_len is not None, "resolve the EngineConfig first"
     max_len = config.max_model_len
     kwargs: dict[str, Any] = {
@@ -65,6 +75,8 @@ def default_neuron_config(config: EngineConfig) -> dict[str, Any]:
             "global_topk": DEFAULT_GLOBAL_TOPK,
         },
     }
+    if config.quantization is not None:
+        kwargs.update(quantization_neuron_config(config, model_path))
     if config.enable_lora:
         kwargs["lora_config"] = lora_serving_config(config)
     spec = config.speculative_config
@@ -78,6 +90,34 @@ def default_neuron_config(config: EngineConfig) -> dict[str, Any]:
             kwargs["enable_eagle_speculation"] = True
             kwargs["is_eagle3"] = method == "eagle3"
     return kwargs
+
+
+def quantization_neuron_config(config: EngineConfig, model_path: Path | None) -> dict[str, Any]:
+    """NxD's weight-quantization keys for ``--quantization`` (NxDI models/config.py NeuronConfig): per-channel
+    symmetric int8 or f8e4m3 weights, the LM head left dense as the torch backend leaves it. NxD writes the
+    quantized checkpoint itself (``save_quantized_state_dict``, before compiling) at
+    ``quantized_checkpoints_path``: one file per model and format beside the compiled artifacts."""
+    method = config.quantization
+    dtype = NXD_QUANTIZATION_DTYPES.get(method or "")
+    if dtype is None:
+        instead = {
+            "gguf": "serve the model's dense HF checkpoint with --quantization int8 or fp8 (NxD reads safetensors)",
+            "compressed-tensors": "serve the dense checkpoint it was made from with --quantization int8 or fp8 "
+            "(NxD quantizes per channel itself), or this one with --backend torch",
+        }.get(method or "", "NxD Inference has no 4-bit weight format for these models: use --quantization int8 "
+                            "or fp8 on nxd, or --backend torch for 4-bit")  # fmt: skip
+        raise ConfigError(f"--quantization {method}: not available on the nxd backend; {instead}. See docs/neuron.md.")
+    if model_path is None:
+        raise ConfigError(f"--quantization {method} on nxd: the model path names the quantized checkpoint.")
+    name = f"{model_path.name}-{hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:12]}"
+    checkpoint = artifacts_root() / "quantized" / f"{name}-{dtype}-per_channel.pt"
+    return {
+        "quantized": True,
+        "quantized_checkpoints_path": str(checkpoint),
+        "quantization_type": "per_channel_symmetric",
+        "quantization_dtype": dtype,
+        "modules_to_not_convert": ["lm_head"],
+    }
 
 
 def lora_serving_config(config: EngineConfig) -> dict[str, Any]:
@@ -145,6 +185,8 @@ def draft_neuron_config(target: dict[str, Any], draft_overrides: dict[str, Any])
     """The fused draft's kwargs, as vllm-neuron derives them from the target's."""
     draft = copy.deepcopy(target)
     draft.pop("lora_config", None)  # drafts run the base model; the target verifies with the adapter
+    for key in QUANTIZATION_KEYS:  # the target's quantized checkpoint is the target's (draft_overrides may set)
+        draft.pop(key, None)
     draft["enable_fused_speculation"] = False
     if not draft.get("enable_eagle_speculation"):
         draft["speculation_length"] = 0
@@ -290,11 +332,14 @@ def artifact_dir(model_path: Path, key: str) -> tuple[Path, bool]:
     exact = os.environ.get(COMPILED_ARTIFACTS_ENV)
     if exact:
         return Path(exact).expanduser(), True
+    return artifacts_root() / f"{model_path.name}-{key}", False
+
+
+def artifacts_root() -> Path:
+    """$NXDSERVE_NEURON_ARTIFACTS, else nxdserve's cache folder's neuron-artifacts."""
     root_env = os.environ.get(ARTIFACTS_ROOT_ENV)
     if root_env:
-        root = Path(root_env).expanduser()
-    else:
-        from nxdserve.model_files import cache_dir
+        return Path(root_env).expanduser()
+    from nxdserve.model_files import cache_dir
 
-        root = cache_dir() / "neuron-artifacts"
-    return root / f"{model_path.name}-{key}", False
+    return cache_dir() / "neuron-artifacts"

@@ -3,7 +3,9 @@
 ``compile`` writes ``neuron_config.json`` and ``model.pt`` (here a small JSON stand-in for the
 torch.jit archive) into the artifact folder; ``load`` fails as ``torch.jit.load`` does when
 ``model.pt`` is missing, reads weights from the HF checkpoint ("shard on load") and warms up.
-``COMPILE_LOG`` / ``LOAD_LOG`` record every call so tests can check compile-once caching.
+``COMPILE_LOG`` / ``LOAD_LOG`` record every call so tests can check compile-once caching;
+``save_quantized_state_dict`` writes the emulated quantized checkpoint (modules/quantization.py), logged in
+``SAVE_QUANTIZED_LOG``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 COMPILED_MODEL_FILE_NAME = "model.pt"
 COMPILE_LOG: list[str] = []
 LOAD_LOG: list[str] = []
+SAVE_QUANTIZED_LOG: list[str] = []  # every save_quantized_state_dict call's target path
 
 
 def normalize_path(path: str | os.PathLike[str]) -> str:
@@ -98,6 +101,22 @@ class NeuronApplicationBase(torch.nn.Module):
 
     def load_weights(self, compiled_model_path: str) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def save_quantized_state_dict(cls, model_path: str, config: InferenceConfig) -> None:
+        """Quantize the HF checkpoint and save it to ``config.neuron_config.quantized_checkpoints_path``."""
+        from neuronx_distributed_inference.modules.quantization import save_state_dict
+
+        model_path = normalize_path(model_path)
+        SAVE_QUANTIZED_LOG.append(config.neuron_config.quantized_checkpoints_path)
+        save_state_dict(cls.generate_quantized_state_dict(model_path, config),
+                        config.neuron_config.quantized_checkpoints_path)  # fmt: skip
+
+    @classmethod
+    def generate_quantized_state_dict(cls, model_path: str, config: InferenceConfig) -> dict[str, torch.Tensor]:
+        from neuronx_distributed_inference.modules.quantization import quantize_state_dict
+
+        return quantize_state_dict(model_path, config.neuron_config)
 
     def warmup(self) -> None:
         logger.info("Warming up the model.")

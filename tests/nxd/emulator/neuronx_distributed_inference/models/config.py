@@ -151,7 +151,26 @@ class NeuronConfig:
             self.lora_config = LoraServingConfig(**self.lora_config)
         self.skip_warmup = kwargs.pop("skip_warmup", False)
         self.save_sharded_checkpoint = kwargs.pop("save_sharded_checkpoint", False)
+        # Weight quantization (NxDI models/config.py): per-tensor / per-channel symmetric int8 or f8e4m3, the
+        # checkpoint written by the application's save_quantized_state_dict and read at load.
         self.quantized = kwargs.pop("quantized", False)
+        self.quantized_checkpoints_path = kwargs.pop("quantized_checkpoints_path", None)
+        if self.quantized is True:
+            assert self.quantized_checkpoints_path is not None, "quantized_checkpoints_path is required"
+        self.quantization_type = kwargs.pop("quantization_type", "per_tensor_symmetric")
+        self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
+        self.quantization_block_size = kwargs.pop("quantization_block_size", None)
+        self.quantization_block_axis = kwargs.pop("quantization_block_axis", None)
+        self.quantization_scale_dtype = kwargs.pop("quantization_scale_dtype", "f32")
+        self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)
+        self.draft_model_modules_to_not_convert = kwargs.pop("draft_model_modules_to_not_convert", None)
+        if self.quantized and (
+            self.quantization_type not in ("per_tensor_symmetric", "per_channel_symmetric")
+            or self.quantization_dtype not in ("int8", "f8e4m3")
+        ):
+            raise NotImplementedError(
+                f"emulator: {self.quantization_type} {self.quantization_dtype} quantization is not emulated"
+            )
 
         self.tp_degree = kwargs.pop("tp_degree", 1)
         self.cp_degree = kwargs.pop("cp_degree", 1)

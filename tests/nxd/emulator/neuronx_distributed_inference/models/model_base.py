@@ -19,6 +19,8 @@ folders, read by nxdserve's own loader) into the target's LoRA buffers; ``adapte
 row (0 = the zero adapter with ``enable_base_model_only``). Rows carry their adapter to the KV line they
 run on, so the wrapper's padding and reordering need no extra plumbing. Dynamic multi-LoRA is not emulated.
 
+Quantization (``quantized``): the linears come from ``quantized_checkpoints_path`` (modules/quantization.py).
+
 Prefix caching, block KV, chunked prefill, medusa, dynamic LoRA and async mode are outside the emulator
 and raise NotImplementedError, so a test never silently exercises a path that is not modelled.
 """
@@ -119,6 +121,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         nc = self.neuron_config
         lines = nc.kv_cache_batch_size + (1 if nc.apply_seq_ids_mask else 0)  # last line: masked writes
         self.target = _runner(self._weights_path(), nc, lines)
+        if nc.quantized:  # the linears from the quantized checkpoint (NxD loads it instead of the HF weights)
+            from neuronx_distributed_inference.modules.quantization import apply_quantized_checkpoint
+
+            apply_quantized_checkpoint(self.target.model, nc)
         if nc.lora_config is not None:
             self.lora = _lora_stack(nc.lora_config, self.target)
         if nc.enable_fused_speculation:
