@@ -52,6 +52,7 @@ async def test_priority_field_by_policy(tiny_server: BackgroundServer, http: htt
         "/v1/completions": {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3},
         "/v1/chat/completions": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
                                  "max_tokens": 3},
+        "/v1/responses": {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3},
     }
     for path, body in bodies.items():
         r = await http.post(path, json={**body, "priority": -2})
@@ -61,7 +62,8 @@ async def test_priority_field_by_policy(tiny_server: BackgroundServer, http: htt
             assert "--scheduling-policy priority" in r.json()["error"]["message"]
         else:
             assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 3
+            usage = r.json()["usage"]
+            assert usage.get("completion_tokens", usage.get("output_tokens")) == 3
         assert (await http.post(path, json={**body, "priority": 0})).status_code == 200
 
 

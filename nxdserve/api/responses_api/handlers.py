@@ -75,7 +75,7 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
         user=req.user,
     )
     view = _ResponsesView(state, skeleton, turn, plan)
-    call = EngineCall(prompt, params, request_id, False, state.lora_for(model))
+    call = EngineCall(prompt, params, request_id, False, state.lora_for(model), priority=req.priority)
     return await respond(request, engine, [call], view, bool(req.stream))
 
 

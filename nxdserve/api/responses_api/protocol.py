@@ -36,6 +36,8 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
     service_tier: str | None = None
+    # vLLM's extension: served earlier under --scheduling-policy priority; non-zero under fcfs is a 400.
+    priority: int = 0
 
 
 # Values that ask for nothing beyond plain text generation, so they pass.
