@@ -34,6 +34,7 @@ from nxdserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from nxdserve.engine.mm_inputs import MultiModalInputs
     from nxdserve.engine.request import Request
     from nxdserve.engine.structured.mask import StepTokenMask
     from nxdserve.lora.adapter import LoraAdapter
@@ -78,6 +79,8 @@ class NewRequest:
     min_tokens_stop_ids: list[int]
     # The LoRA adapter the request runs with (nxdserve.lora.adapter.LoraAdapter, host weights); None: base.
     lora: LoraAdapter | None = None
+    # The prompt's images (vision-language models, ``BackendCapabilities.image_inputs``); None: text only.
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass
