@@ -221,3 +221,27 @@ async def test_async_engine_generate_takes_vllm_multimodal_dicts() -> None:
     expected = reference_tokens(ids, mm)
     assert [tokens(f) for f in finals] == [expected, expected]
     assert all(len(f.prompt_token_ids) == len(ids) for f in finals)
+
+
+def test_bf16_fused_forward_runs_image_rows_with_their_rotary_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused C forward takes the image rows' embeddings and M-RoPE rows (prefill and decode at i + delta);
+    its tokens equal the layer-by-layer path's."""
+    from nxdserve.engine.models import fused_decode
+
+    if not fused_decode.available():
+        pytest.skip("the fused C forward is not built on this machine")
+    core = make_core(dtype="bfloat16")
+    prompts = [prompt(1), prompt(0), prompt(2, first_image=1)]
+    calls_with_images = 0
+    real_run = fused_decode.FusedDecode.run
+
+    def counting_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls_with_images
+        calls_with_images += (len(args) > 4 and args[4] is not None) or kwargs.get("cos_sin") is not None
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(fused_decode.FusedDecode, "run", counting_run)
+    fused = [tokens(o) for o in run(core, prompts)]
+    assert calls_with_images >= NEW_TOKENS  # every step ran image rows through the C forward
+    monkeypatch.setattr(fused_decode, "enabled", False)
+    assert [tokens(o) for o in run(core, prompts)] == fused
