@@ -32,7 +32,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_qwen2_vl(out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_qwen2_vl(
+    out_dir: Path,
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    max_pixels: int = MAX_PIXELS,
+) -> Path:
+    """``text``/``vision``: overrides of the tiny text and vision configs (benchmarks use larger ones)."""
     from transformers import (
         AutoTokenizer,
         Qwen2VLConfig,
@@ -45,11 +52,15 @@ def build_tiny_qwen2_vl(out_dir: Path, seed: int = 0) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     start, image, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text_config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 512,
+                   "bos_token_id": None, "eos_token_id": None,
+                   "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, **(text or {})}  # fmt: skip
+    vision_config = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, **(vision or {})}
+    vision_config["hidden_size"] = text_config["hidden_size"]  # the merger projects into the decoder's width
     config = Qwen2VLConfig(
-        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 512,
-                     "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
-        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+        text_config=text_config,
+        vision_config=vision_config,
         image_token_id=image, vision_start_token_id=start, vision_end_token_id=end,
         bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
@@ -66,7 +77,7 @@ def build_tiny_qwen2_vl(out_dir: Path, seed: int = 0) -> Path:
             else:
                 param.copy_(0.15 * noise)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=MAX_PIXELS)
+    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=max_pixels)
     image_processor.save_pretrained(str(out_dir))
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
