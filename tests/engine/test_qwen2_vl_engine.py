@@ -245,3 +245,15 @@ def test_bf16_fused_forward_runs_image_rows_with_their_rotary_rows(monkeypatch: 
     assert calls_with_images >= NEW_TOKENS  # every step ran image rows through the C forward
     monkeypatch.setattr(fused_decode, "enabled", False)
     assert [tokens(o) for o in run(core, prompts)] == fused
+
+
+def test_a_recurring_image_is_encoded_once_per_admitting_step() -> None:
+    core = make_core()
+    image = random_image(112, 84, seed=3)
+    twice = processor().process(list(tokenizer().encode(TEXTS[2])), [image, image])
+    once = processor().process(list(tokenizer().encode(TEXTS[1])), [image])
+    model: Any = core.backend
+    before = model.vlm.num_images_encoded
+    outs = run(core, [twice, once])  # admitted in the same step
+    assert model.vlm.num_images_encoded - before == 1
+    assert [tokens(o) for o in outs] == [reference_tokens(*twice), reference_tokens(*once)]

@@ -125,6 +125,7 @@ class Qwen2VLModel(nn.Module):
         self.image_token_id = int(hf_config.image_token_id)
         self.merge_size = int(hf_config.vision_config.spatial_merge_size)
         self.dtype, self.device = dtype, device
+        self.num_images_encoded = 0  # images run through the encoder (recurring ones once per admitting step)
 
     @classmethod
     def from_pretrained(
@@ -166,12 +167,29 @@ class Qwen2VLModel(nn.Module):
     @torch.inference_mode()
     def encode_new(self, prompts: Sequence[tuple[Sequence[int], MultiModalInputs]]) -> list[SlotImages]:
         """Each admitted prompt's images through the encoder, all in one call (the encoder attends within
-        each image), and its M-RoPE positions."""
-        pixel_values = torch.cat([mm.pixel_values for _, mm in prompts])
-        grids = torch.cat([mm.image_grid_thw for _, mm in prompts])
-        features = self.encode_images(pixel_values, grids)
-        out, at = [], 0
-        for token_ids, mm in prompts:
+        each image), and its M-RoPE positions. An image that recurs among them (same content hash: within a
+        prompt, or across requests admitted together, such as n > 1 choices) is encoded once."""
+        unique: dict[str, int] = {}  # content hash -> index among the images encoded
+        pixels: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        picks: list[list[int]] = []
+        for _, mm in prompts:
+            patch_ends = mm.image_grid_thw.prod(dim=-1).cumsum(0).tolist()
+            pick = []
+            for k, digest in enumerate(mm.image_hashes):
+                if digest not in unique:
+                    unique[digest] = len(pixels)
+                    pixels.append(mm.pixel_values[(patch_ends[k - 1] if k else 0) : patch_ends[k]])
+                    grids.append(mm.image_grid_thw[k])
+                pick.append(unique[digest])
+            picks.append(pick)
+        grid = torch.stack(grids)
+        features = self.encode_images(torch.cat(pixels), grid).split(
+            (grid.prod(dim=-1) // self.merge_size**2).tolist()
+        )
+        self.num_images_encoded += len(pixels)
+        out = []
+        for (token_ids, mm), pick in zip(prompts, picks, strict=True):
             ids = np.asarray(token_ids, dtype=np.int64)
             n = sum(mm.num_image_tokens)
             at_images = ids == self.image_token_id
@@ -181,8 +199,7 @@ class Qwen2VLModel(nn.Module):
             feature_index[at_images] = np.arange(n)
             image_grids = mm.image_grid_thw.tolist()
             positions, delta = mrope_positions(token_ids, image_grids, self.image_token_id, self.merge_size)
-            out.append(SlotImages(features[at : at + n], feature_index, positions, delta))
-            at += n
+            out.append(SlotImages(torch.cat([features[u] for u in pick]), feature_index, positions, delta))
         return out
 
     @torch.inference_mode()
