@@ -33,6 +33,7 @@ from nxdserve.api.responses import (
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
 from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, TextChunkFrames, respond, sse_frame
 from nxdserve.engine.outputs import Logprob
+from nxdserve.engine.prompts import ProcessedPrompt
 from nxdserve.errors import NxdServeError
 from nxdserve.sampling_params import SamplingParams
 
@@ -55,7 +56,11 @@ def message_dicts(messages: Sequence[ChatMessage], content_format: str = "string
             if not entry["tool_calls"]:
                 del entry["tool_calls"]
         content = msg.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(part.type == "image_url" for part in content):
+            # Images (checked and loaded by api.multimodal): the template places each {"type": "image"} part's
+            # placeholder, so the parts stay a list whatever the content format.
+            entry["content"] = [_image_or_text_part(part) for part in content]
+        elif isinstance(content, list):
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
@@ -70,6 +75,14 @@ def message_dicts(messages: Sequence[ChatMessage], content_format: str = "string
             entry["content"] = ""  # templates print None literally
         out.append(entry)
     return out
+
+
+def _image_or_text_part(part: Any) -> dict[str, Any]:
+    if part.type == "image_url":
+        return {"type": "image"}
+    if part.type != "text" or part.text is None:
+        raise APIError(f"Unsupported content part type {part.type!r}.", param="messages")
+    return {"type": "text", "text": part.text}
 
 
 def _template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -125,15 +138,24 @@ async def create_chat_completion(request: Request) -> Response | EventStreamResp
     check_chat(req)
     check_fan_out(1, req.n)
     engine = state.engine
-    require_image_support(engine, await load_chat_images(req.messages, state.media))
-    plan, prompt, params = await plan_chat_generation(engine, req, state.max_logprobs)
+    images = await load_chat_images(req.messages, state.media)
+    require_image_support(engine, images)
+    plan, text, params = await plan_chat_generation(engine, req, state.max_logprobs)
+    prompt: str | ProcessedPrompt = text
+    if images:  # the model's processor, in a worker thread: patches, and the image tokens in the prompt
+        processed = await engine.process_prompt(
+            {"prompt": text, "multi_modal_data": {"image": [image.image for image in images]}},
+            req.add_special_tokens,
+        )
+        assert isinstance(processed, ProcessedPrompt)
+        prompt = processed
     children = fan_out(params)
     response_id = f"chatcmpl-{base_request_id(request)}"
     ids = engine_request_ids(request, response_id, len(children))
     lora = state.lora_for(model)
     calls = [EngineCall(prompt, c, rid, req.add_special_tokens, lora, req.priority)
              for c, rid in zip(children, ids, strict=True)]
-    state.log_request(response_id, [prompt], params)
+    state.log_request(response_id, [text], params)
     view = _ChatView(state, req, model, response_id, plan)
     return await respond(request, engine, calls, view, bool(req.stream))
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # annotations only: importing the engine here would load torc
     from nxdserve.config import EngineConfig
     from nxdserve.engine.core import EngineStats
     from nxdserve.engine.outputs import RequestOutput
+    from nxdserve.engine.prompts import PromptInput
     from nxdserve.lora.request import LoRARequest
     from nxdserve.sampling_params import SamplingParams
 
@@ -82,9 +83,11 @@ class EngineClient(Protocol):
 
     async def prepare(self, params: SamplingParams) -> None: ...
 
+    async def process_prompt(self, prompt: PromptInput, add_special_tokens: bool = True) -> PromptInput: ...
+
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: PromptInput,
         params: SamplingParams,
         request_id: str | None = None,
         add_special_tokens: bool = True,

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from nxdserve.api.engine_protocol import EngineClient
 from nxdserve.engine.outputs import Logprob, LogprobsList, RequestOutput
+from nxdserve.engine.prompts import ProcessedPrompt
 from nxdserve.errors import RequestFailedError
 from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import SamplingParams
@@ -31,7 +32,7 @@ class RequestStream(Protocol):
 
 @dataclass
 class EngineCall:
-    prompt: str | list[int]
+    prompt: str | list[int] | ProcessedPrompt  # ProcessedPrompt: a prompt with images, processed
     params: SamplingParams
     request_id: str
     add_special_tokens: bool = True

@@ -22,7 +22,7 @@ from nxdserve.engine.core import (
     RunInWorker,
 )
 from nxdserve.engine.outputs import RequestOutput
-from nxdserve.engine.prompts import PromptInput, parse_prompt
+from nxdserve.engine.prompts import ParsedPrompt, ProcessedPrompt, PromptInput, parse_prompt
 from nxdserve.engine.request import Request
 from nxdserve.errors import EngineDeadError, InvalidRequestError
 from nxdserve.lora.request import LoRARequest
@@ -118,6 +118,7 @@ class AsyncEngine:
         self._forward: asyncio.Future[Any] | None = None  # the last forward started in the worker thread
         self.chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
         self._lora_loads: set[asyncio.Task[None]] = set()  # requests waiting for their adapter's weights
+        self.image_processor: Any = None  # the model's ImagePromptProcessor (mm_inputs.py), when it takes images
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -135,6 +136,11 @@ class AsyncEngine:
         from nxdserve.tools.flags import read_chat_template
 
         self.chat_template = read_chat_template(self.config.chat_template)
+        if core.capabilities.image_inputs:
+            from nxdserve.engine.mm_inputs import ImagePromptProcessor
+
+            image_token_id = int(files.hf_config.image_token_id)
+            self.image_processor = await asyncio.to_thread(ImagePromptProcessor, files.path, image_token_id)
         for lora_request in self.config.lora_modules:  # --lora-modules
             await self.add_lora(lora_request)
         self._accepting = True
@@ -240,6 +246,28 @@ class AsyncEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- requests ----------------------------------------------------------------------------------
+    async def process_prompt(self, prompt: PromptInput, add_special_tokens: bool = True) -> PromptInput:
+        """A prompt with images through the model's processor in a worker thread (resizing, patching, image
+        token expansion): a ``ProcessedPrompt`` that ``add_request`` takes without further work. Other
+        prompts come back as they are. InvalidRequestError for images the model cannot take."""
+        parsed = parse_prompt(prompt)
+        if not parsed.images:
+            return prompt
+        return await asyncio.to_thread(self._process_images, parsed, add_special_tokens)
+
+    def _process_images(self, parsed: ParsedPrompt, add_special_tokens: bool) -> ProcessedPrompt:
+        processor = self.image_processor
+        if processor is None:
+            raise InvalidRequestError(
+                "multi_modal_data: the served model is a text-only model and takes no images.", param="multi_modal_data"
+            )
+        if parsed.token_ids is not None:
+            token_ids = parsed.token_ids
+        else:
+            token_ids = self.encode(parsed.text, add_special_tokens) if parsed.text else []
+        expanded, mm_inputs = processor.process(token_ids, parsed.images)
+        return ProcessedPrompt(expanded, mm_inputs, parsed.text)
+
     async def prepare(self, params: SamplingParams) -> None:
         """Work a request needs before ``add_request`` that must not run on the event loop: compiling its
         structured-outputs grammar (cached; a bad spec or a compile past the time limit raises
@@ -265,10 +293,19 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not accepting requests (starting or shutting down)")
         core = self._core
         parsed = parse_prompt(prompt)
-        if parsed.images and not self.accepts_images:
+        if (parsed.images or parsed.mm_inputs is not None) and not self.accepts_images:
             raise InvalidRequestError(
                 "multi_modal_data: the served model is a text-only model and takes no images.", param="multi_modal_data"
             )
+        if parsed.images:  # the processor must not run on the event loop: ``generate`` and the API run it first
+            raise InvalidRequestError(
+                "multi_modal_data: add_request takes images processed by `await engine.process_prompt(prompt)`; "
+                "generate() does that itself.",
+                param="multi_modal_data",
+            )
+        if parsed.mm_inputs is not None and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt that holds images.",
+                                      param="truncate_prompt_tokens")  # fmt: skip
         prompt_text = parsed.text
         if parsed.token_ids is not None:
             token_ids = parsed.token_ids
@@ -280,6 +317,7 @@ class AsyncEngine:
         if lora_request is not None and registry is None:
             raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="model")
         request = core.make_request(token_ids, params, request_id, priority=priority)
+        request.mm_inputs = parsed.mm_inputs
         stream = RequestStream(self, request.request_id, params.output_kind is OutputKind.DELTA)
         self._streams[request.request_id] = stream
         if lora_request is None:
@@ -349,6 +387,7 @@ class AsyncEngine:
         is served first."""
         params = params or SamplingParams()
         await self.prepare(params)
+        prompt = await self.process_prompt(prompt, add_special_tokens)
         stream = self.add_request(prompt, params, request_id, add_special_tokens, lora_request, priority)
         try:
             async for out in stream:

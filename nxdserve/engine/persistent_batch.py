@@ -10,6 +10,8 @@ Python work per request.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -50,6 +52,12 @@ class PersistentBatch:
         self.suspended_generators: dict[str, torch.Generator] = {}
         # LoRA: the adapter buffer slot each row's tokens use (written by a LoRA-enabled backend), -1: base.
         self.lora_slot = np.full(s, -1, dtype=np.int64)
+        # Images (vision-language models, written by the backend at admission): each row's encoder output and
+        # multimodal positions (qwen2_vl.SlotImages), kept for the request's life; has_images marks those rows.
+        self.has_images = np.zeros(s, dtype=bool)
+        self.images: list[Any] = [None] * s
+        # Tokens past the prompt rotate at their index + rope_delta (M-RoPE's offset; 0 for text prompts).
+        self.rope_delta = np.zeros(s, dtype=np.int64)
         # Bumped whenever a slot is added or removed; backends cache derived tensors against it.
         self.version = 0
 
@@ -106,6 +114,9 @@ class PersistentBatch:
         self.active[slot] = True
         self.request_ids[slot] = request_id
         self.lora_slot[slot] = -1
+        self.has_images[slot] = False
+        self.images[slot] = None
+        self.rope_delta[slot] = 0
         self.temperature[slot] = 0.0 if params.is_greedy else params.temperature
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
@@ -141,6 +152,9 @@ class PersistentBatch:
         self.logit_bias[slot] = None
         self.min_tokens_stop_ids[slot] = []
         self.lora_slot[slot] = -1
+        self.has_images[slot] = False
+        self.images[slot] = None  # frees the encoder output
+        self.rope_delta[slot] = 0
         self.version += 1
 
     def append(self, slot: int, token_ids: list[int]) -> None:

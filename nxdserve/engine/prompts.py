@@ -3,17 +3,32 @@
 A prompt is a string, a list of token ids, or a dict: ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``,
 either with ``"multi_modal_data": {"image": image_or_list}`` (PIL images). Every key is read or refused:
 a dict field this engine cannot honour is an InvalidRequestError naming it, never silently dropped.
+A ``ProcessedPrompt`` is a prompt whose images the model's processor has already turned into inputs
+(``AsyncEngine.process_prompt``, off the event loop).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdserve.errors import InvalidRequestError
 
-PromptInput = str | list[int] | Mapping[str, Any]
+if TYPE_CHECKING:
+    from nxdserve.engine.mm_inputs import MultiModalInputs
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt with images, after the processor: expanded token ids and the images' inputs."""
+
+    token_ids: list[int]
+    mm_inputs: MultiModalInputs
+    text: str | None = None  # the prompt text it came from, if any (reported back in outputs)
+
+
+PromptInput = str | list[int] | Mapping[str, Any] | ProcessedPrompt
 _DICT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
 
 
@@ -22,9 +37,12 @@ class ParsedPrompt:
     text: str | None
     token_ids: list[int] | None  # None: tokenize ``text``
     images: list[Any] = field(default_factory=list)  # PIL images, in prompt order
+    mm_inputs: MultiModalInputs | None = None  # set when the images are processed already (then ``images`` is empty)
 
 
 def parse_prompt(prompt: PromptInput) -> ParsedPrompt:
+    if isinstance(prompt, ProcessedPrompt):
+        return ParsedPrompt(prompt.text, list(prompt.token_ids), mm_inputs=prompt.mm_inputs)
     if isinstance(prompt, str):
         return ParsedPrompt(prompt, None)
     if isinstance(prompt, Mapping):

@@ -6,9 +6,12 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from nxdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nxdserve.engine.mm_inputs import MultiModalInputs
     from nxdserve.lora.adapter import LoraAdapter
 
 
@@ -41,6 +44,7 @@ class Request:
         "first_scheduled_time",
         "lora",
         "max_tokens",
+        "mm_inputs",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -89,10 +93,23 @@ class Request:
         self.slot: int | None = None
         self.stop_reason: int | str | None = None
         self.lora: LoraAdapter | None = None  # the adapter it runs with (host weights); None: the base model
+        # The prompt's images as the processor made them (vision-language models); None: a text prompt.
+        self.mm_inputs: MultiModalInputs | None = None
 
     @property
     def lora_name(self) -> str | None:
         return None if self.lora is None else self.lora.name
+
+    def prefix_key_ids(self) -> np.ndarray:
+        """The prompt as prefix caching compares it: token ids, with each image's tokens replaced by negative
+        ids drawn from its content hash, so prompts whose tokens agree but whose images differ never match."""
+        ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        mm = self.mm_inputs
+        if mm is None:
+            return ids
+        for digest, start, count in zip(mm.image_hashes, mm.image_offsets, mm.num_image_tokens, strict=True):
+            ids[start : start + count] = -1 - int(digest[:15], 16)
+        return ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,6 +37,7 @@ from nxdserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from nxdserve.engine.mm_inputs import MultiModalInputs
     from nxdserve.engine.request import Request
     from nxdserve.engine.structured.mask import StepTokenMask
     from nxdserve.lora.adapter import LoraAdapter
@@ -88,6 +89,8 @@ class NewRequest:
     # recomputed with it; its prompt logprobs were sent already and its seeded generator continues.
     output_token_ids: list[int] = field(default_factory=list)
     resumed: bool = False
+    # The prompt's images (vision-language models, ``BackendCapabilities.image_inputs``); None: text only.
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass

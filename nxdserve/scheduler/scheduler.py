@@ -163,9 +163,11 @@ class Scheduler:
         assert slot is not None
         self._frees += 1
         self._freed_at[slot] = self._frees
-        held = (request.prompt_token_ids + request.output_token_ids)[: request.num_computed_tokens]
-        if held and request.status != RequestStatus.FINISHED_ERROR:
-            self._resident[slot] = np.asarray(held, dtype=np.int64)
+        # Image tokens as their content hashes (Request.prefix_key_ids): other images never match them.
+        held = np.concatenate((request.prefix_key_ids(), np.asarray(request.output_token_ids, dtype=np.int64)))
+        held = held[: request.num_computed_tokens]
+        if held.size and request.status != RequestStatus.FINISHED_ERROR:
+            self._resident[slot] = held
             self._resident_lora[slot] = request.lora_name  # KV computed with an adapter is that adapter's
         else:
             self._resident.pop(slot, None)
@@ -177,7 +179,8 @@ class Scheduler:
         best, best_len = -1, 0
         if request.params.prompt_logprobs is None and self._resident:
             # A resumed request's outputs are part of what it recomputes: its old line may still hold them.
-            tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
+            # Image tokens as their content hashes (Request.prefix_key_ids).
+            tokens = np.concatenate((request.prefix_key_ids(), np.asarray(request.output_token_ids, dtype=np.int64)))
             for slot in self._free_slots:
                 held = self._resident.get(slot)
                 if held is not None and held[0] == tokens[0] and self._resident_lora.get(slot) == request.lora_name:
@@ -223,6 +226,7 @@ class Scheduler:
         self._new_since_plan.append(NewRequest(
             slot, request.request_id, request.prompt_token_ids, request.params, request.stop_ids_for_min_tokens(),
             lora=request.lora, output_token_ids=list(request.output_token_ids), resumed=resumed,
+            mm_inputs=request.mm_inputs,
         ))  # fmt: skip
         self.running.append(request)
 

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from nxdserve.engine.structured.mask import TokenMask
 from nxdserve.errors import ConfigError
 from nxdserve.lora.stack import LoraStack
 from nxdserve.model_files import eos_token_ids
+
+if TYPE_CHECKING:
+    from nxdserve.engine.models.qwen2_vl import Qwen2VLModel
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +92,15 @@ class TorchBackend(Backend):
         # A pre-quantized checkpoint names its own format (vLLM's auto-detection); a clashing flag fails here.
         config.quantization = resolve_quantization(config.quantization, model_path)
         started = time.perf_counter()
-        self.runner = SlotModelRunner.from_pretrained(
-            model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device
-        )
+        # A vision-language model (Qwen2-VL): its decoder runs in the slot runner, its encoder at admission.
+        self.vlm = _vision_language_model(model_path, self.dtype, self.device, config.max_model_len)
+        if self.vlm is None:
+            self.runner = SlotModelRunner.from_pretrained(
+                model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device
+            )
+        else:
+            self.runner = SlotModelRunner(self.vlm.text, config.max_num_seqs, config.max_model_len)
+        self.image_encode_s = 0.0  # seconds spent in the vision encoder (benchmarks read it)
         self.model = self.runner.model
         if config.quantization is not None:
             from nxdserve.engine.models.quant import quantize_model
@@ -128,6 +137,7 @@ class TorchBackend(Backend):
             supports_draft_verification=True,
             draft_alternatives=True,
             eos_token_ids=tuple(sorted(eos_token_ids(model_path))),
+            image_inputs=self.vlm is not None,
         )
         # Multi-LoRA: the adapters' stacked buffers; each slot's adapter rides the persistent batch (lora_slot).
         self.lora_stack = (
@@ -172,6 +182,8 @@ class TorchBackend(Backend):
         batch = self.begin_step(plan)
         if self.lora_stack is not None:
             self._place_adapters(plan, batch, self.lora_stack)
+        if self.vlm is not None and any(new.mm_inputs is not None for new in plan.new_requests):
+            self._encode_images(plan, batch, self.vlm)
         rows = _Rows.from_plan(plan)
         if rows.num_rows == 0:
             return StepResult(np.full((0, 1), -1, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -187,6 +199,15 @@ class TorchBackend(Backend):
                 (rows.slots[token_row], rows.slots[alts.row])
             )
             lora = self.lora_stack.step(batch.lora_slot[token_slots])
+        embeds = cos_sin = None
+        if self.vlm is not None and batch.has_images[rows.slots].any():
+            # Image rows: their features replace image-token embeddings and they rotate by M-RoPE (so the fused
+            # C forward, which takes token ids and plain positions, sits this step out).
+            token_slots, token_positions = rows.slots[token_row], positions
+            if alts is not None:
+                token_slots = np.concatenate((token_slots, rows.slots[alts.row]))
+                token_positions = np.concatenate((positions, rows.starts[alts.row] + 1))
+            embeds, cos_sin = self.vlm.step_inputs(token_ids, token_slots, token_positions, batch)
 
         t1 = time.perf_counter()
         governor = self.thread_governor
@@ -208,7 +229,7 @@ class TorchBackend(Backend):
         hidden = self.runner.run(
             token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit,
             alts=None if alts is None else alts.forward, keep=sampled_positions if only_sampled else None,
-            on_compute=self.forward_started, lora=lora,
+            on_compute=self.forward_started, lora=lora, embeds=embeds, cos_sin=cos_sin,
         )  # fmt: skip
         sampled_hidden = hidden if only_sampled else hidden[sampled_positions.to(self.device)]
         alt_logits = None
@@ -308,6 +329,18 @@ class TorchBackend(Backend):
             if new.lora is not None:
                 in_use = set(batch.lora_slot[batch.active].tolist())
                 batch.lora_slot[new.slot] = stack.slot_for(new.lora, in_use)
+
+    def _encode_images(self, plan: StepPlan, batch: PersistentBatch, vlm: Qwen2VLModel) -> None:
+        """The step's new image requests through the vision encoder (one batched call); each slot keeps its
+        features and positions until the request finishes (``PersistentBatch.remove`` drops them)."""
+        started = time.perf_counter()
+        news = [new for new in plan.new_requests if new.mm_inputs is not None]
+        encoded = vlm.encode_new([(new.prompt_token_ids, new.mm_inputs) for new in news if new.mm_inputs])
+        for new, images in zip(news, encoded, strict=True):
+            batch.has_images[new.slot] = True
+            batch.images[new.slot] = images
+            batch.rope_delta[new.slot] = images.delta
+        self.image_encode_s += time.perf_counter() - started
 
     def _verify(
         self,
@@ -510,6 +543,18 @@ def _mask(plan: StepPlan, rows: _Rows) -> TokenMask | None:
     if plan.token_mask is None:
         return None
     return plan.token_mask.for_logits(rows.sampled, rows.width)
+def _vision_language_model(
+    model_path: Path, dtype: torch.dtype, device: torch.device, max_len: int
+) -> Qwen2VLModel | None:
+    """The folder's model when it is a vision-language model this backend drives (Qwen2-VL), else None."""
+    from nxdserve.engine.models.qwen2_vl import MODEL_TYPES, Qwen2VLModel
+    from nxdserve.model_files import load_hf_config
+
+    if not (model_path / "config.json").is_file() or load_hf_config(model_path).model_type not in MODEL_TYPES:
+        return None
+    return Qwen2VLModel.from_pretrained(model_path, dtype, device, max_len).eval()
+
+
 def _gguf_file(config: EngineConfig) -> Path | None:
     """The .gguf file the model came from: --model's, or the embedded default model's."""
     from nxdserve.model_files import default_gguf_path

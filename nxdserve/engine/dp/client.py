@@ -289,7 +289,7 @@ class DataParallelEngine:
         if lora_request is not None:  # refused at start-up too (dp.args): each engine would hold its own adapters
             raise InvalidRequestError(_NO_LORA, param="model")
         parsed = parse_prompt(prompt)
-        if parsed.images:  # the engines serve text-only models (AsyncEngine.accepts_images)
+        if parsed.images or parsed.mm_inputs is not None:  # the engines serve text-only models (accepts_images)
             raise InvalidRequestError(
                 "multi_modal_data: the served model is a text-only model and takes no images.", param="multi_modal_data"
             )
@@ -312,6 +312,10 @@ class DataParallelEngine:
         """Compile a structured-outputs grammar off the event loop (the engine process compiles its own)."""
         if params.structured_outputs is not None and self._grammars is not None:
             await self._grammars.compile_async(params.structured_outputs)
+
+    async def process_prompt(self, prompt: PromptInput, add_special_tokens: bool = True) -> PromptInput:
+        """Prompts pass as they are: images are refused by ``add_request`` (the engines take none over the pipe)."""
+        return prompt
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         raise InvalidRequestError(_NO_LORA, param="lora_name")

@@ -151,8 +151,10 @@ class FusedDecode:
         kv_cache: SlotKVCache,
         keep: torch.Tensor | None = None,
         on_compute: Callable[[], None] | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x (T, hidden), contiguous, overwritten -> the stack's output (final-normed where it has a norm).
+        ``cos_sin``: each token's rotary rows (T, 1, head_dim) instead of the table's at its position (M-RoPE).
 
         ``keep``: increasing token indices (no alternatives); then only those rows are returned, and the last
         layer's attention, o, MLP and norm run for them alone (its q/k/v still run for all: the cache needs
@@ -181,8 +183,11 @@ class FusedDecode:
             kept = keep.to(torch.int64).contiguous()
             if kept.numel() and not (int(kept[0]) >= 0 and int(kept[-1]) < t and bool((kept[1:] > kept[:-1]).all())):
                 raise ValueError("keep must hold increasing token indices of this forward")
-        cos = self.rope.cos.index_select(0, positions)
-        sin = self.rope.sin.index_select(0, positions)
+        if cos_sin is None:
+            cos = self.rope.cos.index_select(0, positions)
+            sin = self.rope.sin.index_select(0, positions)
+        else:
+            cos, sin = (table.reshape(t, -1).to(torch.bfloat16).contiguous() for table in cos_sin)
         threads = torch.get_num_threads()
         qkv = s.q_size + 2 * s.kv_size
         # + 24 per token: the attention block, alternative group and token kind tables (6 int64 per token) after

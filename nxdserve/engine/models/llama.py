@@ -276,9 +276,9 @@ class LlamaFamilyModel(nn.Module):
             alts.kv = torch.empty(
                 s.num_layers, alts.count, 2, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device
             )
-        if embeds is None and cos_sin is None and self.fused_decode.accepts(token_ids, meta, kv_cache):
-            x = F.embedding(token_ids, self.embed_weight).contiguous()
-            return self.fused_decode.run(x, meta, kv_cache, keep, on_compute)
+        if self.fused_decode.accepts(token_ids, meta, kv_cache):
+            x = (F.embedding(token_ids, self.embed_weight) if embeds is None else embeds).contiguous()
+            return self.fused_decode.run(x, meta, kv_cache, keep, on_compute, cos_sin)
         x = F.embedding(token_ids, self.embed_weight) if embeds is None else embeds
         positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
         cos, sin = self.rope.gather(positions) if cos_sin is None else cos_sin

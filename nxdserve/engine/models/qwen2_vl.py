@@ -7,16 +7,20 @@ head_dim section by one of three position streams (time, row, column). Text toke
 in all three, so after the last image a token at sequence index ``i`` rotates exactly as plain RoPE at
 ``i + delta`` (``delta`` from ``mrope_positions``); image tokens take their grid coordinates.
 
-This module runs a prompt with images through the model (``prefill_logits``); the engine does not route
-image requests to it yet (see the issue 30 report).
+The torch backend drives it per slot: ``encode_new`` runs the encoder once per admitted request (the
+step's new requests batched into one call) and keeps each request's features and positions
+(``SlotImages``) in the persistent batch for its life; ``step_inputs`` builds a step's input embeddings
+(image features at image-token positions, a chunk taking its slice) and its rotary tables. Decode rows
+rotate at ``i + delta``. ``prefill_logits`` runs one prompt alone (the model-level tests).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +32,22 @@ from nxdserve.engine.models.llama import LlamaFamilyModel, _iter_safetensors
 from nxdserve.engine.models.rope import rope_inv_freq
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nxdserve.engine.mm_inputs import MultiModalInputs
+    from nxdserve.engine.persistent_batch import PersistentBatch
+
+MODEL_TYPES = frozenset({"qwen2_vl"})
+
+
+@dataclass
+class SlotImages:
+    """One running request's images, as its slot keeps them (``PersistentBatch.images``)."""
+
+    features: torch.Tensor  # (image tokens, hidden) encoder output, model dtype, on the model's device
+    feature_index: np.ndarray  # (prompt len,) int64: each prompt position's row of ``features``, -1 for text
+    positions: np.ndarray  # (3, prompt len) int64 M-RoPE positions
+    delta: int  # tokens past the prompt rotate at index + delta
 
 
 def mrope_positions(
@@ -105,12 +125,15 @@ class Qwen2VLModel(nn.Module):
         self.image_token_id = int(hf_config.image_token_id)
         self.merge_size = int(hf_config.vision_config.spatial_merge_size)
         self.dtype, self.device = dtype, device
+        self.num_images_encoded = 0  # images run through the encoder (recurring ones once per admitting step)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device) -> Qwen2VLModel:
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype, device: torch.device, max_len: int | None = None
+    ) -> Qwen2VLModel:
         from nxdserve.model_files import load_hf_config
 
-        model = cls(load_hf_config(path), dtype, device)
+        model = cls(load_hf_config(path), dtype, device, max_len)
         model.load_weights(_iter_safetensors(Path(path)))
         return model
 
@@ -140,6 +163,67 @@ class Qwen2VLModel(nn.Module):
         out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=image_grid_thw.to(self.device))
         features = out if isinstance(out, torch.Tensor) else out.pooler_output
         return features
+
+    @torch.inference_mode()
+    def encode_new(self, prompts: Sequence[tuple[Sequence[int], MultiModalInputs]]) -> list[SlotImages]:
+        """Each admitted prompt's images through the encoder, all in one call (the encoder attends within
+        each image), and its M-RoPE positions. An image that recurs among them (same content hash: within a
+        prompt, or across requests admitted together, such as n > 1 choices) is encoded once."""
+        unique: dict[str, int] = {}  # content hash -> index among the images encoded
+        pixels: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        picks: list[list[int]] = []
+        for _, mm in prompts:
+            patch_ends = mm.image_grid_thw.prod(dim=-1).cumsum(0).tolist()
+            pick = []
+            for k, digest in enumerate(mm.image_hashes):
+                if digest not in unique:
+                    unique[digest] = len(pixels)
+                    pixels.append(mm.pixel_values[(patch_ends[k - 1] if k else 0) : patch_ends[k]])
+                    grids.append(mm.image_grid_thw[k])
+                pick.append(unique[digest])
+            picks.append(pick)
+        grid = torch.stack(grids)
+        features = self.encode_images(torch.cat(pixels), grid).split(
+            (grid.prod(dim=-1) // self.merge_size**2).tolist()
+        )
+        self.num_images_encoded += len(pixels)
+        out = []
+        for (token_ids, mm), pick in zip(prompts, picks, strict=True):
+            ids = np.asarray(token_ids, dtype=np.int64)
+            n = sum(mm.num_image_tokens)
+            at_images = ids == self.image_token_id
+            if int(at_images.sum()) != n:
+                raise ValueError(f"{int(at_images.sum())} image tokens in the prompt but {n} image features")
+            feature_index = np.full(ids.size, -1, dtype=np.int64)
+            feature_index[at_images] = np.arange(n)
+            image_grids = mm.image_grid_thw.tolist()
+            positions, delta = mrope_positions(token_ids, image_grids, self.image_token_id, self.merge_size)
+            out.append(SlotImages(torch.cat([features[u] for u in pick]), feature_index, positions, delta))
+        return out
+
+    @torch.inference_mode()
+    def step_inputs(
+        self, token_ids: torch.Tensor, token_slots: np.ndarray, positions: np.ndarray, batch: PersistentBatch
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """A step's input embeddings (T, hidden) and cos/sin, for tokens of slots at sequence ``positions``:
+        prompt tokens of image rows take their image features and M-RoPE positions (a chunk its slice);
+        every other token rotates at its position + its slot's delta (0 for text rows)."""
+        embeds = F.embedding(token_ids.to(self.device), self.text.embed_weight)
+        rope = np.broadcast_to(positions + batch.rope_delta[token_slots], (3, positions.size)).copy()
+        in_prompt = np.flatnonzero(batch.has_images[token_slots] & (positions < batch.num_prompt_tokens[token_slots]))
+        for slot in np.unique(token_slots[in_prompt]).tolist():  # the image rows still in their prompt: few
+            at = in_prompt[token_slots[in_prompt] == slot]
+            state: SlotImages = batch.images[slot]
+            pos = positions[at]
+            rope[:, at] = state.positions[:, pos]
+            rows = state.feature_index[pos]
+            hit = rows >= 0
+            if hit.any():
+                embeds[torch.from_numpy(at[hit]).to(self.device)] = state.features[
+                    torch.from_numpy(rows[hit]).to(self.device)
+                ].to(embeds.dtype)
+        return embeds, self.mrope.gather(torch.from_numpy(rope).to(self.device))
 
     @torch.inference_mode()
     def prefill_logits(

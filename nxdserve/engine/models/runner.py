@@ -81,6 +81,8 @@ class SlotModelRunner:
         keep: torch.Tensor | None = None,
         on_compute: Callable[[], None] | None = None,
         lora: LoraStep | None = None,
+        embeds: torch.Tensor | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run rows r = ``row_lens[r]`` tokens of slot ``row_slots[r]`` from position ``row_starts[r]``.
 
@@ -88,7 +90,8 @@ class SlotModelRunner:
         The rows' K/V are written into the slots' cache lines (the alternatives' go to ``alts.kv``);
         returns final-norm hidden states (T, hidden) in the model dtype; with ``keep`` (increasing token
         indices, no alternatives) those tokens' only, (len(keep), hidden). ``on_compute`` is called once the
-        inputs are set up, as the model's compute (which releases the GIL) begins.
+        inputs are set up, as the model's compute (which releases the GIL) begins. ``embeds`` and ``cos_sin``
+        replace the token embeddings and rotary tables (vision-language models: ``Qwen2VLModel.step_inputs``).
         """
         meta = self.metadata(row_slots, row_starts, row_lens, batched_query_limit)
         meta.lora = lora  # every token's adapter, the rows' then the alternatives' (LoraStack.step)
@@ -99,7 +102,7 @@ class SlotModelRunner:
         expected = meta.num_tokens + (0 if alts is None else alts.count)
         if token_ids.shape[0] != expected:
             raise ValueError(f"{token_ids.shape[0]} token ids for rows and alternatives totalling {expected} tokens")
-        return self.model(token_ids.to(self.device), meta, self.kv_cache, keep, on_compute)
+        return self.model(token_ids.to(self.device), meta, self.kv_cache, keep, on_compute, embeds, cos_sin)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (..., vocab) for hidden states (..., hidden)."""

@@ -1,0 +1,107 @@
+"""A tiny random Qwen2-VL checkpoint an engine can serve: weights from a transformers config (no download), the
+default model's tokenizer with Qwen2-VL's vision tokens added, a chat template that places them, and the
+model's image processor (``Qwen2VLImageProcessor``, sized small so images take few tokens). The full
+``Qwen2VLProcessor`` also needs a video processor, which needs torchvision (not installed here)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.helpers.tiny_model import copy_default_tokenizer
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+MAX_PIXELS = 112 * 112  # an image takes at most 16 tokens (8x8 patches merged 2x2)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string -%}{{ message.content }}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def build_tiny_qwen2_vl(
+    out_dir: Path,
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    max_pixels: int = MAX_PIXELS,
+) -> Path:
+    """``text``/``vision``: overrides of the tiny text and vision configs (benchmarks use larger ones)."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+    )
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy_default_tokenizer(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    start, image, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text_config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 512,
+                   "bos_token_id": None, "eos_token_id": None,
+                   "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, **(text or {})}  # fmt: skip
+    vision_config = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, **(vision or {})}
+    vision_config["hidden_size"] = text_config["hidden_size"]  # the merger projects into the decoder's width
+    config = Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # transformers' tiny init gives near-constant logits: scale up, perturb norms and biases
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(0.15 * noise)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=max_pixels)
+    image_processor.save_pretrained(str(out_dir))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@cache
+def tiny_qwen2_vl_path() -> Path:
+    """One checkpoint per test session, in a temp folder removed at interpreter exit."""
+    import atexit
+
+    root = Path(tempfile.mkdtemp(prefix="nxdserve-tiny-vlm-"))
+    atexit.register(shutil.rmtree, root, True)
+    return build_tiny_qwen2_vl(root / "qwen2-vl")
+
+
+def random_image(width: int, height: int, seed: int) -> Any:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
