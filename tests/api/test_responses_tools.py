@@ -26,7 +26,6 @@ from nxdserve.api.chat_output import ChatOutputPlan
 from nxdserve.api.protocol import ChatCompletionRequest
 from nxdserve.api.responses_api.events import EventWriter, OutputItems
 from nxdserve.api.server import BackgroundServer
-from nxdserve.tools.flags import load_tool_parser_plugin
 from tests.api.conftest import API_KEY, MODEL_NAME, _openai, engine_config, start_server
 from tests.api.test_structured_tools_api import TEMPLATE
 
@@ -49,27 +48,10 @@ GREEDY: dict[str, Any] = {"temperature": 0.0, "max_output_tokens": 60}
 EVENT = TypeAdapter(ResponseStreamEvent)
 
 
-# llama3_json's calls as a --tool-parser-plugin whose markers are plain text (like a model that writes bare JSON
-# calls), so the detokenizer keeps skipping special tokens: llama3_json itself turns that off, and this engine's
-# text then ends with the EOS token's "<|im_end|>", which llama3_json reads as text after the call (vLLM drops the
-# stop token's text; see the report).
-PLUGIN = """
-from nxdserve.tools import register_tool_parser
-from nxdserve.tools.parsers import Llama3JsonToolParser
-
-
-@register_tool_parser("json_calls")
-class JsonCalls(Llama3JsonToolParser):
-    needs_special_tokens = False
-"""
-
-
 @pytest.fixture(scope="module")
-def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    plugin = tmp_path_factory.mktemp("plugin") / "json_calls.py"
-    plugin.write_text(PLUGIN)
-    load_tool_parser_plugin(str(plugin))  # what --tool-parser-plugin does
-    server = start_server(api_key=API_KEY, enable_auto_tool_choice=True, tool_call_parser="json_calls",
+def tools_server() -> Iterator[BackgroundServer]:
+    # llama3_json keeps special tokens in the text; the EOS token's "<|im_end|>" stays out of it (as in vLLM).
+    server = start_server(api_key=API_KEY, enable_auto_tool_choice=True, tool_call_parser="llama3_json",
                           structured_outputs_config={"disable_any_whitespace": True}, chat_template=TEMPLATE)
     yield server
     server.stop()
