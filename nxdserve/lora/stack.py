@@ -11,7 +11,9 @@ set is the same, the common case in decode); then per layer and linear:
     expand: y += buf @ B_active^T          (T, out)     one GEMM writes every packed slice
 
 So a step costs two small GEMMs of width K*S*r per linear, whatever the number of rows, with no Python
-per request; steps with no adapter row skip all of it (``LoraStep`` is None).
+per request; steps with no adapter row skip all of it (``LoraStep`` is None). The gather trims r to the
+largest rank among the step's adapters (the padding is exact zeros: reading it would only cost bandwidth) and
+leaves out the (layer, linear) pairs none of them targets, which then cost nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ class LoraStack:
             self.a[linear] = torch.zeros(n, max_loras, width, fan_in, dtype=dtype, device=device)
             self.b[linear] = torch.zeros(n, max_loras, fan_out, width, dtype=dtype, device=device)
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter int id -> buffer slot, oldest first
-        self._gathered: tuple[tuple[int, ...], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.slot_rank = [0] * max_loras  # the rank written in each slot: columns past it are zeros
+        self.slot_targets: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]  # (layer, linear)
+        self._gathered: tuple[tuple[int, ...], list[dict[str, tuple[torch.Tensor, torch.Tensor]]]] | None = None
 
     # -- residency ---------------------------------------------------------------------------------
     def slot_for(self, adapter: LoraAdapter, in_use: set[int]) -> int:
@@ -98,6 +102,8 @@ class LoraStack:
             cols = slice(part * r, part * r + adapter.rank)
             self.a[linear][layer, slot, cols] = a.to(self.a[linear].dtype)
             self.b[linear][layer, slot, starts[part] : starts[part + 1], cols] = b.to(self.b[linear].dtype)
+        self.slot_rank[slot] = adapter.rank
+        self.slot_targets[slot] = {(layer, TARGETS[module][0]) for layer, module in adapter.weights}
         self._gathered = None  # the slot's contents changed
 
     # -- one step ----------------------------------------------------------------------------------
@@ -110,15 +116,23 @@ class LoraStack:
         key = tuple(active.tolist())
         if self._gathered is None or self._gathered[0] != key:
             index = torch.from_numpy(active).to(self.a["qkv"].device)
-            gathered = {}
+            # Only the columns up to the largest active rank (the rest are zero padding: reading them would cost
+            # bandwidth for exact zeros), and only the (layer, linear) pairs some active adapter targets.
+            rank = max(self.slot_rank[s] for s in key)
+            targeted = set().union(*(self.slot_targets[s] for s in key))
+            gathered: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(self.spec.num_layers)]
             for linear in LINEARS:
                 a = self.a[linear].index_select(1, index)  # (L, K, S*r, in)
                 b = self.b[linear].index_select(1, index)  # (L, K, out, S*r)
                 n, k, width, fan_in = a.shape
-                gathered[linear] = (
-                    a.reshape(n, k * width, fan_in).transpose(1, 2).contiguous(),  # (L, in, K*S*r)
-                    b.permute(0, 2, 1, 3).reshape(n, b.shape[2], k * width).transpose(1, 2).contiguous(),
-                )
+                parts, fan_out = width // self.max_rank, b.shape[2]
+                a = a.view(n, k, parts, self.max_rank, fan_in)[:, :, :, :rank]
+                b = b.view(n, k, fan_out, parts, self.max_rank)[..., :rank]
+                a_t = a.reshape(n, k * parts * rank, fan_in).transpose(1, 2).contiguous()  # (L, in, K*S*rank)
+                b_t = b.reshape(n, k, fan_out, parts * rank).permute(0, 1, 3, 2).reshape(n, -1, fan_out).contiguous()
+                for layer in range(n):
+                    if (layer, linear) in targeted:
+                        gathered[layer][linear] = (a_t[layer], b_t[layer])
             self._gathered = (key, gathered)
         if active.size == 1 and on.all():  # every token on one adapter (e.g. a single stream): nothing to mask
             return LoraStep(self._gathered[1], None, 1)
@@ -129,21 +143,31 @@ class LoraStack:
 
 
 class LoraStep:
-    """One forward's adapters, shared by all layers (``AttentionMetadata.lora``)."""
+    """One forward's adapters, shared by all layers (``AttentionMetadata.lora``).
+
+    The per-layer operands are split out once per gathered adapter set (``layer_weights``): at one token a
+    layer's four ``add`` calls are then four shrink and four expand GEMMs and nothing else, where indexing the
+    stacked tensors per call cost eight more torch dispatches a layer (measured in benchmarks/lora_bench.py)."""
 
     def __init__(
-        self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], one_hot: torch.Tensor | None, num_adapters: int
+        self, weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], one_hot: torch.Tensor | None,
+        num_adapters: int,
     ) -> None:
-        self.weights = weights
+        self.weights = weights  # [layer][linear] = (A (in, K*S*r), B (K*S*r, out)); only targeted pairs
         self.one_hot = one_hot  # (T, K); None when every token runs the one adapter
         self.num_adapters = num_adapters
+        self._mask = None if one_hot is None else one_hot[:, :, None]  # (T, K, 1), broadcast over S*r
 
     def add(self, out: torch.Tensor, layer: int, linear: str, x: torch.Tensor) -> torch.Tensor:
         """``out += B (A x)`` with each token's own adapter, for ``linear`` of ``layer``. ``out`` must be a fresh
         tensor (a linear's output): it is updated in place and returned."""
-        a, b = self.weights[linear]
-        buf = x @ a[layer]  # shrink: (T, K*S*r)
-        if self.one_hot is not None:
+        pair = self.weights[layer].get(linear)
+        if pair is None:  # no active adapter targets it
+            return out
+        a, b = pair
+        buf = torch.mm(x, a)  # shrink: (T, K*S*r)
+        mask = self._mask
+        if mask is not None:
             t = buf.shape[0]
-            buf = (buf.view(t, self.num_adapters, -1) * self.one_hot[:t, :, None]).view(t, -1)
-        return out.addmm_(buf, b[layer])  # expand
+            buf.view(t, self.num_adapters, -1).mul_(mask if mask.shape[0] == t else mask[:t])
+        return out.addmm_(buf, b)  # expand
