@@ -28,6 +28,11 @@ from nxdserve.errors import LoRAAdapterError
 from nxdserve.lora.adapter import TARGETS, LoraAdapter
 
 LINEARS = ("qkv", "o", "gate_up", "down")
+# From this many tokens, a step with several adapters runs each adapter's GEMMs on its own rows (gather, shrink,
+# expand, index_add: 4 ops per adapter) instead of the grouped GEMMs over every row, whose flops and weight reads
+# grow with K (each token pays for all K adapters' blocks, then masks K-1 of them away).
+PER_ADAPTER_MIN_TOKENS = 16
+Operands = tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor] | None]]
 
 
 def _layout(spec: ModelSpec) -> dict[str, tuple[int, int, list[int]]]:
@@ -61,7 +66,7 @@ class LoraStack:
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter int id -> buffer slot, oldest first
         self.slot_rank = [0] * max_loras  # the rank written in each slot: columns past it are zeros
         self.slot_targets: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]  # (layer, linear)
-        self._gathered: tuple[tuple[int, ...], list[dict[str, tuple[torch.Tensor, torch.Tensor]]]] | None = None
+        self._gathered: tuple[tuple[int, ...], list[dict[str, Operands]]] | None = None
 
     # -- residency ---------------------------------------------------------------------------------
     def slot_for(self, adapter: LoraAdapter, in_use: set[int]) -> int:
@@ -120,7 +125,7 @@ class LoraStack:
             # bandwidth for exact zeros), and only the (layer, linear) pairs some active adapter targets.
             rank = max(self.slot_rank[s] for s in key)
             targeted = set().union(*(self.slot_targets[s] for s in key))
-            gathered: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(self.spec.num_layers)]
+            gathered: list[dict[str, Operands]] = [{} for _ in range(self.spec.num_layers)]
             for linear in LINEARS:
                 a = self.a[linear].index_select(1, index)  # (L, K, S*r, in)
                 b = self.b[linear].index_select(1, index)  # (L, K, out, S*r)
@@ -130,41 +135,68 @@ class LoraStack:
                 b = b.view(n, k, fan_out, parts, self.max_rank)[..., :rank]
                 a_t = a.reshape(n, k * parts * rank, fan_in).transpose(1, 2).contiguous()  # (L, in, K*S*rank)
                 b_t = b.reshape(n, k, fan_out, parts * rank).permute(0, 1, 3, 2).reshape(n, -1, fan_out).contiguous()
+                w = parts * rank
                 for layer in range(n):
                     if (layer, linear) in targeted:
-                        gathered[layer][linear] = (a_t[layer], b_t[layer])
+                        # Each adapter's own block too (views: a column block of A, a row block of B), or None
+                        # where that adapter leaves this linear alone: the per-adapter path of large steps.
+                        own = [
+                            (a_t[layer][:, i * w : (i + 1) * w], b_t[layer][i * w : (i + 1) * w])
+                            if (layer, linear) in self.slot_targets[slot] else None
+                            for i, slot in enumerate(key)
+                        ]
+                        gathered[layer][linear] = (a_t[layer], b_t[layer], own)
             self._gathered = (key, gathered)
         if active.size == 1 and on.all():  # every token on one adapter (e.g. a single stream): nothing to mask
             return LoraStep(self._gathered[1], None, 1)
+        device = self.a["qkv"].device
+        if active.size > 1 and token_slots.shape[0] >= PER_ADAPTER_MIN_TOKENS:
+            rows = [torch.from_numpy(np.flatnonzero(token_slots == slot)).to(device) for slot in active]
+            step = LoraStep(self._gathered[1], None, active.size, rows)
+            step.num_tokens = token_slots.shape[0]
+            return step
         local = np.searchsorted(active, np.where(on, token_slots, active[0]))
         one_hot = torch.zeros(token_slots.shape[0], active.size, dtype=self.a["qkv"].dtype)
         one_hot[torch.from_numpy(np.flatnonzero(on)), torch.from_numpy(local[on])] = 1
-        return LoraStep(self._gathered[1], one_hot.to(self.a["qkv"].device), active.size)
+        return LoraStep(self._gathered[1], one_hot.to(device), active.size)
 
 
 class LoraStep:
     """One forward's adapters, shared by all layers (``AttentionMetadata.lora``).
 
-    The per-layer operands are split out once per gathered adapter set (``layer_weights``): at one token a
-    layer's four ``add`` calls are then four shrink and four expand GEMMs and nothing else, where indexing the
-    stacked tensors per call cost eight more torch dispatches a layer (measured in benchmarks/lora_bench.py)."""
+    The per-layer operands are split out once per gathered adapter set: at one token a layer's four ``add``
+    calls are then four shrink and four expand GEMMs and nothing else, where indexing the stacked tensors per
+    call cost eight more torch dispatches a layer."""
 
     def __init__(
-        self, weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], one_hot: torch.Tensor | None,
+        self,
+        weights: list[dict[str, Operands]],
+        one_hot: torch.Tensor | None,
         num_adapters: int,
+        rows: list[torch.Tensor] | None = None,
     ) -> None:
-        self.weights = weights  # [layer][linear] = (A (in, K*S*r), B (K*S*r, out)); only targeted pairs
-        self.one_hot = one_hot  # (T, K); None when every token runs the one adapter
+        self.weights = weights  # [layer][linear] = (A (in, K*S*r), B (K*S*r, out), per adapter); targeted only
+        self.one_hot = one_hot  # (T, K) for the grouped path with several adapters; else None
         self.num_adapters = num_adapters
+        self.rows = rows  # the per-adapter path: each active adapter's token indices
+        self.num_tokens = 0 if one_hot is None else one_hot.shape[0]
         self._mask = None if one_hot is None else one_hot[:, :, None]  # (T, K, 1), broadcast over S*r
 
     def add(self, out: torch.Tensor, layer: int, linear: str, x: torch.Tensor) -> torch.Tensor:
         """``out += B (A x)`` with each token's own adapter, for ``linear`` of ``layer``. ``out`` must be a fresh
         tensor (a linear's output): it is updated in place and returned."""
-        pair = self.weights[layer].get(linear)
-        if pair is None:  # no active adapter targets it
+        operands = self.weights[layer].get(linear)
+        if operands is None:  # no active adapter targets it
             return out
-        a, b = pair
+        a, b, own = operands
+        if self.rows is not None:
+            t = x.shape[0]
+            for rows, pair in zip(self.rows, own, strict=True):
+                if pair is not None:
+                    if t != self.num_tokens:  # a leading part of the step's tokens
+                        rows = rows[rows < t]
+                    out.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), pair[0]), pair[1]))
+            return out
         buf = torch.mm(x, a)  # shrink: (T, K*S*r)
         mask = self._mask
         if mask is not None:
