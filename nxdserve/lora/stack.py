@@ -13,7 +13,11 @@ set is the same, the common case in decode); then per layer and linear:
 So a step costs two small GEMMs of width K*S*r per linear, whatever the number of rows, with no Python
 per request; steps with no adapter row skip all of it (``LoraStep`` is None). The gather trims r to the
 largest rank among the step's adapters (the padding is exact zeros: reading it would only cost bandwidth) and
-leaves out the (layer, linear) pairs none of them targets, which then cost nothing.
+leaves out the (layer, linear) pairs none of them targets, which then cost nothing. From
+``PER_ADAPTER_MIN_TOKENS`` tokens with several adapters, each adapter instead runs its own shrink and expand on
+its own rows (the grouped GEMMs make every token pay for all K blocks): measured on SmolLM2-135M's shapes,
+K=4 + base rows, one thread, LoRA time per step per-adapter/grouped 0.98 at 16 tokens, 0.85 at 32, 0.67 at 64,
+1.07-1.10 at 5-8.
 """
 
 from __future__ import annotations
