@@ -17,6 +17,20 @@ from nxdserve.lora.adapter import VALID_MAX_RANKS, LoraAdapter, load_peft_adapte
 from nxdserve.lora.request import LoRARequest
 
 
+def check_lora_limits(max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> int:
+    """Check --max-loras / --max-lora-rank / --max-cpu-loras; the number of host copies kept."""
+    if max_loras < 1:
+        raise LoRAAdapterError(f"max_loras must be >= 1, got {max_loras}", param="max_loras")
+    if max_lora_rank not in VALID_MAX_RANKS:
+        raise LoRAAdapterError(
+            f"max_lora_rank {max_lora_rank} is not one of {list(VALID_MAX_RANKS)}", param="max_lora_rank"
+        )
+    cpu = max_loras if max_cpu_loras is None else max_cpu_loras
+    if cpu < max_loras:
+        raise LoRAAdapterError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})", param="max_cpu_loras")
+    return cpu
+
+
 class LoraRegistry:
     def __init__(
         self,
@@ -27,17 +41,7 @@ class LoraRegistry:
         check: Callable[[str, str], None] | None = None,
     ) -> None:
         """``check(name, path)``: the backend's own refusal (the nxd backend serves compiled-in adapters only)."""
-        if max_loras < 1:
-            raise LoRAAdapterError(f"max_loras must be >= 1, got {max_loras}", param="max_loras")
-        if max_lora_rank not in VALID_MAX_RANKS:
-            raise LoRAAdapterError(
-                f"max_lora_rank {max_lora_rank} is not one of {list(VALID_MAX_RANKS)}", param="max_lora_rank"
-            )
-        cpu = max_loras if max_cpu_loras is None else max_cpu_loras
-        if cpu < max_loras:
-            raise LoRAAdapterError(
-                f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})", param="max_cpu_loras"
-            )
+        cpu = check_lora_limits(max_loras, max_lora_rank, max_cpu_loras)
         self.spec = spec
         self.check = check
         self.max_loras = max_loras

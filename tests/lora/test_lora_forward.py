@@ -1,5 +1,6 @@
-"""Multi-LoRA on the torch backend: each adapter's fp32 greedy output equals transformers + peft, and a mixed
-batch (base rows and rows of several adapters in one forward) gives every request what it gets alone."""
+"""Multi-LoRA on both backends (the nxd one through the NxD emulator): each adapter's fp32 greedy output equals
+transformers + peft, and a mixed batch (base rows and rows of several adapters in one forward) gives every
+request what it gets alone. What NxD cannot do (adapters beyond its compiled-in set) is a clear error there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from nxdserve.engine.core import EngineCore
 from nxdserve.engine.step import StepPlan, StepResult
+from nxdserve.errors import ConfigError
 from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.helpers.engine import make_core
@@ -29,6 +31,28 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                          rslora=True, seed=2),
         "mlp-r16": make_peft_adapter(base, root / "mlp", targets=("gate_proj", "down_proj"), rank=16, alpha=4, seed=3),
     }
+
+
+@pytest.fixture(scope="module")
+def expected(adapters: dict[str, Path]) -> dict[str | None, list[list[int]]]:
+    """transformers + peft greedy tokens of every prompt, per adapter (None: the base model)."""
+    base = tiny_model_path("llama")
+    with single_torch_thread():
+        return {name: [greedy_reference(peft_reference(base, path), p, MAX_TOKENS) for p in PROMPTS]
+                for name, path in [(None, None), *adapters.items()]}
+
+
+def _modules(adapters: dict[str, Path]) -> list[LoRARequest]:
+    return [LoRARequest(name, i, str(path)) for i, (name, path) in enumerate(adapters.items(), start=1)]
+
+
+@pytest.fixture(scope="module")
+def core(backend: str, adapters: dict[str, Path]) -> EngineCore:
+    """One core per backend with every adapter registered (on nxd compiled in: ``--lora-modules``)."""
+    with single_torch_thread():
+        core = _core(backend=backend, lora_modules=_modules(adapters) if backend == "nxd" else [])
+    _register(core, adapters)
+    return core
 
 
 def _core(**overrides: object) -> EngineCore:
@@ -58,35 +82,43 @@ def _register(core: EngineCore, adapters: dict[str, Path]) -> None:
         core.lora.load(LoRARequest(name, i, str(path)))
 
 
-def test_each_adapter_matches_transformers_peft(adapters: dict[str, Path]) -> None:
-    base = tiny_model_path("llama")
+def test_each_adapter_matches_transformers_peft(
+    core: EngineCore, adapters: dict[str, Path], expected: dict[str | None, list[list[int]]]
+) -> None:
     with single_torch_thread():
-        core = _core()
-        _register(core, adapters)
-        for name, path in [(None, None), *adapters.items()]:
-            reference = peft_reference(base, path)
-            expected = [greedy_reference(reference, p, MAX_TOKENS) for p in PROMPTS]
+        for name in [None, *adapters]:
             got = _run(core, [(p, name) for p in PROMPTS])
-            assert got == expected, name
-        # The adapters do change the output (non-zero B), so the comparison above is not blind.
-        outputs = {name: _run(core, [(PROMPTS[0], name)])[0] for name in [None, *adapters]}
-        assert len({tuple(v) for v in outputs.values()}) == len(outputs)
+            assert got == expected[name], name
+    # The adapters do change the output (non-zero B), so the comparison above is not blind.
+    assert len({tuple(v[0]) for v in expected.values()}) == len(expected)
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_mixed_batch_equals_alone(adapters: dict[str, Path], chunked: bool) -> None:
+def test_mixed_batch_equals_alone(core: EngineCore, adapters: dict[str, Path]) -> None:
     with single_torch_thread():
-        core = _core(enable_chunked_prefill=chunked, max_num_batched_tokens=16 if chunked else None)
+        names = [None, *adapters]
+        jobs = [(PROMPTS[i % len(PROMPTS)], names[i % len(names)]) for i in range(8)]
+        alone = [_run(core, [job])[0] for job in jobs]
+        assert _run(core, jobs) == alone
+
+
+def test_mixed_batch_equals_alone_chunked(adapters: dict[str, Path]) -> None:
+    """torch only: the nxd backend falls back from chunked prefill (tests/nxd/test_engine_nxd.py)."""
+    with single_torch_thread():
+        core = _core(enable_chunked_prefill=True, max_num_batched_tokens=16)
         _register(core, adapters)
         names = [None, *adapters]
         jobs = [(PROMPTS[i % len(PROMPTS)], names[i % len(names)]) for i in range(8)]
         alone = [_run(core, [job])[0] for job in jobs]
-        together = _run(core, jobs)
-        assert together == alone
+        assert _run(core, jobs) == alone
 
 
-def test_more_adapters_than_max_loras_are_deferred(adapters: dict[str, Path]) -> None:
-    """Three adapters over one buffer slot: the scheduler runs one adapter at a time, outputs unchanged."""
+def test_more_adapters_than_max_loras_are_deferred(backend: str, adapters: dict[str, Path]) -> None:
+    """Three adapters over one buffer slot: the scheduler runs one adapter at a time, outputs unchanged. NxD
+    keeps every compiled-in adapter on device, so there the same settings are a ConfigError at start-up."""
+    if backend == "nxd":
+        with pytest.raises(ConfigError, match=r"--max-loras \(1\) must be at least the number of --lora-modules \(3\)"):
+            _core(backend="nxd", max_loras=1, max_cpu_loras=1, lora_modules=_modules(adapters))
+        return
     with single_torch_thread():
         core = _core(max_loras=1, max_cpu_loras=1)
         _register(core, adapters)
@@ -190,10 +222,12 @@ def test_speculation_verifies_with_the_adapter(adapters: dict[str, Path]) -> Non
         assert sum(drafts) > 0  # drafts were verified, not skipped
 
 
-def test_bad_lora_settings_are_config_errors() -> None:
-    from nxdserve.errors import ConfigError
-
+def test_bad_lora_settings_are_config_errors(backend: str, adapters: dict[str, Path]) -> None:
+    modules = _modules(adapters)[:1] if backend == "nxd" else []
     with pytest.raises(ConfigError, match="max_lora_rank 7"):
-        _core(max_lora_rank=7)
+        _core(backend=backend, max_lora_rank=7, lora_modules=modules)
     with pytest.raises(ConfigError, match="max_cpu_loras"):
-        _core(max_loras=2, max_cpu_loras=1)
+        _core(backend=backend, max_loras=2, max_cpu_loras=1, lora_modules=modules)
+    if backend == "nxd":  # NxD compiles its adapters in: --enable-lora without them cannot serve any
+        with pytest.raises(ConfigError, match="needs its adapters at compile time"):
+            _core(backend="nxd")

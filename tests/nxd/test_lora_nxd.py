@@ -74,3 +74,7 @@ def test_adapters_not_compiled_in_are_refused(modules: list[LoRARequest], tmp_pa
         make_core(str(tiny_model_path("llama")), "nxd", enable_lora=True)
     with pytest.raises(ConfigError, match="--max-loras"):
         make_core(str(tiny_model_path("llama")), "nxd", enable_lora=True, max_loras=1, lora_modules=modules)
+    # NxD's buffers are compiled at --max-lora-rank: a larger adapter is refused before the build.
+    with pytest.raises(ConfigError, match="LoRA rank 8 is greater than --max-lora-rank 1"):
+        make_core(str(tiny_model_path("llama")), "nxd", enable_lora=True, max_loras=2, max_lora_rank=1,
+                  lora_modules=modules)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from nxdserve.config import EngineConfig
-from nxdserve.errors import ConfigError
+from nxdserve.errors import ConfigError, LoRAAdapterError
+from nxdserve.lora.registry import check_lora_limits
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +137,22 @@ def lora_serving_config(config: EngineConfig) -> dict[str, Any]:
             f"the nxd backend keeps every adapter on device: --max-loras ({config.max_loras}) must be at least "
             f"the number of --lora-modules ({len(modules)})"
         )
+    try:  # before NxD compiles: its own failure on these would come from deep inside the build
+        check_lora_limits(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+    except LoRAAdapterError as exc:
+        raise ConfigError(exc.message) from exc
     targets: set[str] = set()
     for module in modules:
         try:
             adapter_config = json.loads((Path(module.lora_path) / "adapter_config.json").read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--lora-modules {module.lora_name}: unreadable adapter_config.json: {exc}") from exc
+        rank = int(adapter_config.get("r", 0))
+        if rank > config.max_lora_rank:
+            raise ConfigError(
+                f"--lora-modules {module.lora_name}: LoRA rank {rank} is greater than --max-lora-rank "
+                f"{config.max_lora_rank} (NxD compiles its LoRA buffers at that rank)"
+            )
         found = adapter_config.get("target_modules") or []
         targets.update([found] if isinstance(found, str) else found)
     return {
