@@ -139,3 +139,80 @@ def test_compiles_text_and_vision_models_once_and_loads_a_named_folder(
     assert len(application_base.COMPILE_LOG) == compiled + 1
     ids, mm = prompt(1, seed=3)
     assert tokens(run(second, [(ids, mm)])[0]) == tokens(run(first, [(ids, mm)])[0])
+
+
+@pytest.mark.anyio
+async def test_chat_completions_with_a_data_url_image_through_the_server() -> None:
+    """The server on ``--backend nxd``: the chat template, the processor, NxD's image inputs; an image of another
+    size than the compiled one is a 400 naming the images, and the engine keeps serving."""
+    import httpx
+
+    from tests.api.conftest import API_KEY, MODEL_NAME, start_server
+    from tests.helpers.tiny_vlm import data_url
+
+    server = start_server(api_key=API_KEY, model=str(tiny_qwen2_vl_path()), backend="nxd", max_model_len=128,
+                          max_num_seqs=4, enable_chunked_prefill=False, override_neuron_config=VISION)
+    image = random_image(IMAGE, IMAGE, seed=21)
+    content = [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+
+    def body(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"model": MODEL_NAME, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": parts}]}  # fmt: skip
+
+    try:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120) as http:
+            response = await http.post("/v1/chat/completions", json=body(content))
+            assert response.status_code == 200, response.text
+            text = tokenizer().apply_chat_template(
+                [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"}]}],
+                add_generation_prompt=True, tokenize=False,
+            )  # fmt: skip
+            ids, mm = processor().process(list(tokenizer().encode(text)), [image])
+            want = tokenizer().decode(nxd_rule_reference(ids, mm), skip_special_tokens=True)
+            assert response.json()["choices"][0]["message"]["content"] == want
+            assert response.json()["usage"]["prompt_tokens"] == len(ids)
+            small = [{"type": "image_url", "image_url": {"url": data_url(random_image(56, 56, seed=2))}}]
+            response = await http.post("/v1/chat/completions", json=body(small))
+            assert response.status_code == 400, response.text
+            assert "multi_modal_data.image" in response.json()["error"]["param"]
+            assert "compiled for 8x8" in response.json()["error"]["message"]
+            response = await http.post("/v1/chat/completions", json=body(content))
+            assert response.json()["choices"][0]["message"]["content"] == want
+    finally:
+        server.stop()
+
+
+def test_a_preempted_image_request_resumes_with_its_images() -> None:
+    """Priority preemption resumes by recompute: the victim's context encoding carries its images again."""
+    from nxdserve.sampling_params import OutputKind, SamplingParams
+
+    core = make_core(max_num_seqs=2, scheduling_policy="priority")
+    jobs = [(*prompt(1, seed=31), 5), (*prompt(2, seed=33), 5), (*prompt(0), 0)]
+
+    def submit(ids: list[int], mm: MultiModalInputs | None, priority: int) -> str:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                output_kind=OutputKind.FINAL_ONLY)  # fmt: skip
+        request = core.make_request(ids, params, priority=priority)
+        request.mm_inputs = mm
+        core.add_request(request)
+        return request.request_id
+
+    def drive(late_after: int) -> list[list[int]]:
+        """The two image jobs, then the urgent text job after ``late_after`` steps; outputs in job order."""
+        ids = [submit(*job) for job in jobs[:2]]
+        finals: dict[str, list[int]] = {}
+        for step in range(500):
+            if step == late_after:
+                ids.append(submit(*jobs[2]))
+            finals.update({o.request_id: list(o.outputs[0].token_ids) for o in core.step() if o.finished})
+            if not core.has_unfinished and step >= late_after:
+                break
+        return [finals[i] for i in ids]
+
+    alone = [tokens(run(core, [(ids, mm)])[0]) for ids, mm, _ in jobs]
+    app: Any = core.backend.app  # type: ignore[attr-defined]
+    encoded = len(app.vision_calls)
+    assert drive(late_after=3) == alone
+    assert core.scheduler.num_preemptions_total == 1
+    assert len(app.vision_calls) - encoded == 3  # both image prompts, and the victim's once more

@@ -34,7 +34,6 @@ from neuronx_distributed_inference.models.config import CONFIG_FILE, InferenceCo
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
 from nxdserve.engine.models.runner import SlotModelRunner
 
-
 SUBMODELS = ("text_model/", "vision_model/")
 
 
