@@ -316,6 +316,8 @@ class AsyncEngine:
         registry = core.lora
         if lora_request is not None and registry is None:
             raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="model")
+        if parsed.mm_inputs is not None:
+            core.backend.validate_images(parsed.mm_inputs)
         request = core.make_request(token_ids, params, request_id, priority=priority)
         request.mm_inputs = parsed.mm_inputs
         stream = RequestStream(self, request.request_id, params.output_kind is OutputKind.DELTA)

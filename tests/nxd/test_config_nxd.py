@@ -145,10 +145,34 @@ def test_image_to_text_configs_take_a_text_and_a_vision_neuron_config() -> None:
         Qwen2VLInferenceConfig(NeuronConfig(), load_config=lambda c: None)
 
 
-def test_vision_language_checkpoints_are_refused_at_start_up(tmp_path: Path) -> None:
-    path = _tiny_qwen2_vl_config(tmp_path / "qwen2-vl")
-    refusal = r"Qwen2VLForConditionalGeneration is a vision-language model \(NeuronQwen2VLForCausalLM\).*image-to-text"
+def _tiny_mllama_config(folder: Path) -> Path:
+    from transformers import MllamaConfig
+
+    MllamaConfig(
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "vocab_size": 512, "cross_attention_layers": [1]},
+        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_global_layers": 1, "attention_heads": 2,
+                       "intermediate_size": 64, "image_size": 56, "patch_size": 14},
+        architectures=["MllamaForConditionalGeneration"],
+    ).save_pretrained(folder)
+    return folder
+
+
+def test_vision_language_checkpoints_other_than_qwen2_vl_are_refused_at_start_up(tmp_path: Path) -> None:
+    path = _tiny_mllama_config(tmp_path / "mllama")
+    refusal = r"MllamaForConditionalGeneration is a vision-language model \(NeuronMllamaForCausalLM\).*Qwen2-VL only"
     with pytest.raises(ConfigError, match=refusal):
         build_inference_config(path, resolved(dtype="float32", max_model_len=256, max_num_seqs=4), load_hf_config(path))
 
 
+def test_qwen2_vl_builds_a_text_and_a_vision_neuron_config(tmp_path: Path) -> None:
+    path = _tiny_qwen2_vl_config(tmp_path / "qwen2-vl")
+    cls, config = build_inference_config(
+        path, resolved(dtype="float32", max_model_len=256, max_num_seqs=4), load_hf_config(path)
+    )
+    assert cls.__name__ == "NeuronQwen2VLForCausalLM" and type(config).__name__ == "Qwen2VLInferenceConfig"
+    text, vision = config.text_config.neuron_config, config.vision_config.neuron_config
+    assert (text.batch_size, text.seq_len, text.tp_degree) == (4, 256, 1)
+    # NxD's default 640x320 image: 22x46 patches, 253 tokens; one fits the 256-token text bucket.
+    assert (vision.default_image_width, vision.default_image_height, vision.buckets) == (640, 320, [1])
+    assert vision.fused_qkv is True and vision.batch_size == 1

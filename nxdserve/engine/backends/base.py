@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 
+from nxdserve.engine.mm_inputs import MultiModalInputs
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.step import (
@@ -94,6 +95,9 @@ class Backend(abc.ABC):
 
     def validate_request(self, params: SamplingParams) -> None:  # noqa: B027 - optional hook
         """Raise InvalidRequestError for parameters this backend cannot honour (checked at admission)."""
+
+    def validate_images(self, mm_inputs: MultiModalInputs) -> None:  # noqa: B027 - optional hook
+        """Raise InvalidRequestError for a prompt's images this backend cannot run (checked at admission)."""
 
     def own_thread(self) -> None:  # noqa: B027 - optional hook
         """Called in the worker thread when the engine owns it (the async engine's model thread, which runs

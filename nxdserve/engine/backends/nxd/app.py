@@ -23,15 +23,21 @@ from typing import Any
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.backends.nxd.neuron_config import (
+    QWEN2_VL_DEFAULT_IMAGE_SIZE,
+    VISION_OVERRIDES_KEY,
     NxdSettings,
     artifact_dir,
     artifact_key,
     check_supported,
     default_neuron_config,
     draft_neuron_config,
+    image_to_text_refusals,
+    is_image_to_text,
     merge_overrides,
     pick_model_class,
+    qwen2_vl_image_grid,
     refuse_image_to_text,
+    vision_neuron_config,
 )
 from nxdserve.errors import ConfigError
 
@@ -66,6 +72,8 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
 
     cls = pick_model_class(hf_config, MODEL_TYPES)
     refuse_image_to_text(cls, hf_config)
+    if is_image_to_text(cls, hf_config):
+        return cls, _image_to_text_config(cls, model_path, config, hf_config)
     kwargs, draft_overrides = merge_overrides(default_neuron_config(config, model_path), config.override_neuron_config)
     if isinstance(kwargs.get("lora_config"), dict):
         from neuronx_distributed_inference.modules.lora_serving import LoraServingConfig
@@ -86,6 +94,28 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
     return cls, inference_config
 
 
+def _image_to_text_config(cls: Any, model_path: Path, config: EngineConfig, hf_config: Any) -> Any:
+    """Qwen2-VL: ``Qwen2VLInferenceConfig(text_neuron_config, vision_neuron_config, load_config=...)`` as NxDI's
+    generate_qwen2_vl.py builds it. The text NeuronConfig is the text path's (slots, seq len, tp, on-device
+    sampling); ``--override-neuron-config`` applies to it, and its ``vision_neuron_config`` entry to the
+    vision encoder's (``default_image_width``/``default_image_height``: the compiled image size)."""
+    from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
+
+    image_to_text_refusals(config)
+    overrides = dict(config.override_neuron_config or {})
+    vision_overrides = dict(overrides.pop(VISION_OVERRIDES_KEY, None) or {})
+    text_kwargs, _ = merge_overrides(default_neuron_config(config, model_path), overrides)
+    vc = hf_config.vision_config
+    width = int(vision_overrides.get("default_image_width", QWEN2_VL_DEFAULT_IMAGE_SIZE[0]))
+    height = int(vision_overrides.get("default_image_height", QWEN2_VL_DEFAULT_IMAGE_SIZE[1]))
+    _, grid_h, grid_w = qwen2_vl_image_grid(width, height, int(vc.patch_size))
+    tokens_per_image = grid_h * grid_w // int(vc.spatial_merge_size) ** 2
+    neuron_config_cls = cls.get_config_cls().get_neuron_config_cls()  # Qwen2VLNeuronConfig
+    text_nc = neuron_config_cls(**text_kwargs)
+    vision_nc = neuron_config_cls(**vision_neuron_config(text_kwargs, vision_overrides, tokens_per_image))
+    return cls.get_config_cls()(text_nc, vision_nc, load_config=load_pretrained_config(str(model_path)))
+
+
 def load_application(model_path: Path, config: EngineConfig, hf_config: Any) -> LoadedApp:
     cls, inference_config = build_inference_config(model_path, config, hf_config)
     version = nxd_version()
@@ -93,7 +123,7 @@ def load_application(model_path: Path, config: EngineConfig, hf_config: Any) -> 
     key = artifact_key(inference_config.to_json_string(), f"nxdi={version}", str(model_path), str(draft))
     folder, exact = artifact_dir(model_path, key)
     app = None
-    if exact and (folder / "model.pt").is_file():
+    if exact and _has_archive(folder):
         # A folder the user compiled before: its config wins, as in vllm-neuron (overrides are ignored).
         inference_config = cls.get_config_cls().load(str(folder))
         check_supported(inference_config.neuron_config, f"the compiled model in {folder}")
@@ -198,8 +228,16 @@ def _has_quantized_checkpoint(target: Path) -> bool:
     return target.is_file() or (target.is_dir() and any(target.glob("*.safetensors")))
 
 
+def _has_archive(folder: Path) -> bool:
+    """NxD's traced model: ``model.pt``, or for image-to-text applications ``text_model/model.pt`` beside
+    ``vision_model/model.pt`` (NeuronBaseForImageToText.compile)."""
+    if (folder / "model.pt").is_file():
+        return True
+    return all((folder / sub / "model.pt").is_file() for sub in ("text_model", "vision_model"))
+
+
 def _is_complete(folder: Path, exact: bool) -> bool:
-    if not (folder / "model.pt").is_file():
+    if not _has_archive(folder):
         return False
     return exact or (folder / COMPLETE_MARKER).is_file()
 

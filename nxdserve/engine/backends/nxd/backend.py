@@ -23,6 +23,7 @@ accepted tokens (the plan itself has no drafts).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -35,8 +36,14 @@ from nxdserve.config import EngineConfig
 from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.backends.nxd.app import LoadedApp, load_application, nxd_version
 from nxdserve.engine.backends.nxd.inputs import NxdCall, cte_call, sampling_rows, tkg_call
-from nxdserve.engine.backends.nxd.neuron_config import FUSED_METHODS, NxdSettings
+from nxdserve.engine.backends.nxd.neuron_config import (
+    DRIVEN_IMAGE_TO_TEXT,
+    FUSED_METHODS,
+    NxdSettings,
+    qwen2_vl_image_grid,
+)
 from nxdserve.engine.backends.nxd.outputs import read_fused, read_logits, read_tokens
+from nxdserve.engine.mm_inputs import MultiModalInputs
 from nxdserve.engine.models.compressed_tensors import resolve_quantization
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.sampling.sampler import Sampler
@@ -98,6 +105,15 @@ class NxdBackend(Backend):
             )
         _fall_back_from_chunked_prefill(config)
         eos = getattr(text_config, "eos_token_id", None)
+        # Qwen2-VL: the compiled encoder's image grid and most images per prompt (its vision buckets).
+        self.image_grid: tuple[int, int, int] | None = None
+        self.max_images = 0
+        if getattr(hf_config, "model_type", None) in DRIVEN_IMAGE_TO_TEXT:
+            vnc = self.app.vision_config.neuron_config  # NxD sets it on the application
+            self.image_grid = qwen2_vl_image_grid(int(vnc.default_image_width), int(vnc.default_image_height),
+                                                  int(hf_config.vision_config.patch_size))  # fmt: skip
+            self.max_images = int(max(vnc.buckets))
+        self.slot_images: dict[int, MultiModalInputs] = {}  # the prompt images of slots still to context-encode
         self._caps = BackendCapabilities(
             max_num_seqs=num_seqs,
             max_model_len=max_model_len,
@@ -111,6 +127,7 @@ class NxdBackend(Backend):
             supports_draft_verification=False,
             global_top_k=s.global_topk,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            image_inputs=self.image_grid is not None,
         )
         self.sampler = Sampler(self.vocab_size, torch.device("cpu"), seed=config.seed)
         self.kv_len = np.zeros(num_seqs, dtype=np.int64)  # positions with valid KV, per line
@@ -118,6 +135,9 @@ class NxdBackend(Backend):
         self._needs_cpu_version = -1
         self._warned_slots: set[int] = set()
         self._token_mask: StepTokenMask | None = None
+        if self.image_grid is not None:  # Qwen2-VL's decoder is Qwen2's; only its rotary positions differ
+            text_config = copy.copy(text_config)
+            setattr(text_config, "model_type", "qwen2")  # noqa: B010 - an instance attribute over the class's
         self.model_spec = ModelSpec.from_hf_config(text_config)
         # LoRA: NxD's compiled adapter index of each --lora-modules adapter (0 is the zero adapter).
         self.lora_index = {m.lora_name: i + 1 for i, m in enumerate(config.lora_modules)} if config.enable_lora else {}
@@ -170,12 +190,38 @@ class NxdBackend(Backend):
             param=needs[0],
         )
 
+    def validate_images(self, mm_inputs: MultiModalInputs) -> None:
+        """NxD's Qwen2-VL encoder is compiled for one image size and at most its largest vision bucket of
+        images per prompt: anything else is a 400 at admission, not an error inside NxD."""
+        param = "multi_modal_data.image"
+        if self.image_grid is None:
+            raise InvalidRequestError("the served model is a text-only model and takes no images.", param=param)
+        if mm_inputs.num_images > self.max_images:
+            raise InvalidRequestError(
+                f"{mm_inputs.num_images} images in one prompt, but the NxD vision encoder was compiled for at "
+                f"most {self.max_images} (vision_neuron_config buckets).", param=param,
+            )  # fmt: skip
+        for k, grid in enumerate(mm_inputs.image_grid_thw.tolist()):
+            if tuple(grid) != self.image_grid:
+                _, h, w = self.image_grid
+                raise InvalidRequestError(
+                    f"image {k} becomes a {grid[1]}x{grid[2]} patch grid, but the NxD Qwen2-VL vision encoder "
+                    f"was compiled for {h}x{w} (its vision_neuron_config default_image_width/height): send "
+                    "images of that size, or compile for another with --override-neuron-config "
+                    "'{\"vision_neuron_config\": {\"default_image_width\": W, \"default_image_height\": H}}'.",
+                    param=param,
+                )
+
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         self.begin_step(plan)
         assert self.batch is not None
         for slot in (*plan.freed_slots, *plan.new_slots):
             self.kv_len[slot] = 0
+            self.slot_images.pop(int(slot), None)
+        for new in plan.new_requests:
+            if new.mm_inputs is not None:
+                self.slot_images[new.slot] = new.mm_inputs
         for new in plan.new_requests:
             if new.lora is not None:
                 self.batch.lora_slot[new.slot] = self.lora_index[new.lora.name]
@@ -209,6 +255,9 @@ class NxdBackend(Backend):
         call = cte_call(self.batch.token_ids[slot, :length], slot, self._sampling_rows(slots),
                         self.settings.cte_buckets_largest, self.settings.pad_token_id)
         call.adapter_ids = self._adapter_ids(slots)
+        images = self.slot_images.pop(slot, None)  # a preempted request's images come back with it
+        if images is not None:
+            call.pixel_values, call.image_grid_thw = images.pixel_values, images.image_grid_thw
         step.timings["prepare"] += time.perf_counter() - t0
         output = self._forward(call, step)
         self.kv_len[slot] = length

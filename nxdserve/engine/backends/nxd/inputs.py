@@ -35,6 +35,11 @@ class NxdCall:
     seq_ids: torch.Tensor  # (B,) int64, ascending
     sampling_params: torch.Tensor  # (B, 3) float32
     adapter_ids: torch.Tensor | None = None  # (B,) int32 LoRA indices (0: the base model), with lora_config
+    # Qwen2-VL context encoding of a prompt with images (NeuronQwen2VLForCausalLM.forward): the processor's
+    # patches (all images, patch features) and each image's (t, h, w) grid. NxD derives the image-token
+    # positions (its vision_mask) from input_ids itself.
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def kwargs(self) -> dict[str, torch.Tensor | None]:
         # attention_mask=None: NxD infers it from position_ids, as both vllm-neuron versions rely on.
@@ -47,6 +52,9 @@ class NxdCall:
         }
         if self.adapter_ids is not None:
             kwargs["adapter_ids"] = self.adapter_ids
+        if self.pixel_values is not None:
+            kwargs["pixel_values"] = self.pixel_values
+            kwargs["image_grid_thw"] = self.image_grid_thw
         return kwargs
 
 

@@ -305,25 +305,86 @@ def pick_model_class(hf_config: Any, model_types: dict[str, dict[str, Any]]) -> 
     )
 
 
-def refuse_image_to_text(cls: Any, hf_config: Any) -> None:
-    """Refuse, at start-up, the vision-language applications this backend does not drive end to end.
+# The image-to-text applications this backend drives end to end (HF model_type -> NxDI MODEL_TYPES key).
+DRIVEN_IMAGE_TO_TEXT = frozenset({"qwen2_vl"})
+# Qwen2-VL's vision encoder is compiled for one image size (Qwen2VLNeuronConfig's default_image_width/height,
+# NxDI qwen2_vl/utils/constants.py): every image must have that size's patch grid.
+QWEN2_VL_DEFAULT_IMAGE_SIZE = (640, 320)  # (width, height)
+VISION_OVERRIDES_KEY = "vision_neuron_config"  # --override-neuron-config's key for the vision NeuronConfig
 
-    NxDI's image-to-text applications (Llama 4, Pixtral, Qwen2-VL, Qwen3-VL, Mllama, ...) build their
-    InferenceConfig from ``text_neuron_config`` and ``vision_neuron_config`` and take image tensors in
-    ``forward``; the backend builds one NeuronConfig and passes token ids only, so without this check
-    those checkpoints die in NxD with a TypeError, or would run with their images silently dropped.
-    """
+
+def is_image_to_text(cls: Any, hf_config: Any) -> bool:
+    """NxDI's vision-language applications build their InferenceConfig from ``text_neuron_config`` and
+    ``vision_neuron_config`` and take image tensors in ``forward``."""
     config_cls = cls.get_config_cls()
     takes_two_configs = "text_neuron_config" in inspect.signature(config_cls.__init__).parameters
     image_to_text_app = any(base.__name__ == "NeuronBaseForImageToText" for base in inspect.getmro(cls))
     vision_checkpoint = getattr(hf_config, "vision_config", None) is not None
-    if takes_two_configs or image_to_text_app or vision_checkpoint:
-        archs = ", ".join(getattr(hf_config, "architectures", None) or []) or str(getattr(hf_config, "model_type", ""))
-        raise ConfigError(
-            f"{archs} is a vision-language model ({cls.__name__}); nxdserve's NxD backend drives NxD Inference's "
-            "text-only causal-LM applications and does not run its image-to-text applications yet "
-            "(nor does the torch backend serve vision-language models yet). See docs/neuron.md."
-        )
+    return takes_two_configs or image_to_text_app or vision_checkpoint
+
+
+def refuse_image_to_text(cls: Any, hf_config: Any) -> None:
+    """Refuse, at start-up, the vision-language applications this backend does not drive end to end.
+
+    Qwen2-VL runs (``DRIVEN_IMAGE_TO_TEXT``); Llama 4, Pixtral, Qwen3-VL, Mllama, Gemma 3 take other image
+    inputs (``vision_mask``, cross-attention states, deepstack embeddings) the backend does not pass, so
+    without this check they would die in NxD or run with their images silently dropped.
+    """
+    if not is_image_to_text(cls, hf_config) or getattr(hf_config, "model_type", None) in DRIVEN_IMAGE_TO_TEXT:
+        return
+    archs = ", ".join(getattr(hf_config, "architectures", None) or []) or str(getattr(hf_config, "model_type", ""))
+    raise ConfigError(
+        f"{archs} is a vision-language model ({cls.__name__}); nxdserve's NxD backend drives NxD Inference's "
+        "text-only causal-LM applications and, of its image-to-text applications, Qwen2-VL only. "
+        "Use --backend torch for this model. See docs/neuron.md."
+    )
+
+
+def image_to_text_refusals(config: EngineConfig) -> None:
+    """What NxD's Qwen2-VL application does not run: it switches fused speculation off itself, and its
+    forward drops ``adapter_ids``; quantizing its checkpoint is not wired here."""
+    for flag, on in (
+        ("--speculative-config", bool(config.speculative_config)),
+        ("--enable-lora", config.enable_lora),
+        ("--quantization", config.quantization is not None),
+    ):
+        if on:
+            raise ConfigError(
+                f"{flag} is not supported with Qwen2-VL on the nxd backend (NxD's Qwen2-VL application runs "
+                "without it); use --backend torch or drop the flag."
+            )
+
+
+def vision_neuron_config(
+    text_kwargs: dict[str, Any], vision_overrides: dict[str, Any], tokens_per_image: int
+) -> dict[str, Any]:
+    """The vision encoder's NeuronConfig kwargs, as NxDI's generate_qwen2_vl.py example builds them: one
+    image batch, the text model's tp degree and dtype, ``buckets`` counting images per prompt (as many
+    as the text bucket holds, NxDI's own assertion), ``fused_qkv`` (NxDI asserts it)."""
+    kwargs: dict[str, Any] = {
+        "batch_size": 1,
+        "seq_len": text_kwargs["seq_len"],
+        "tp_degree": text_kwargs["tp_degree"],
+        "torch_dtype": text_kwargs["torch_dtype"],
+        "enable_bucketing": True,
+        "fused_qkv": True,
+        "default_image_width": QWEN2_VL_DEFAULT_IMAGE_SIZE[0],
+        "default_image_height": QWEN2_VL_DEFAULT_IMAGE_SIZE[1],
+    }
+    kwargs.update(vision_overrides)
+    if "buckets" not in vision_overrides:
+        most = max(1, int(text_kwargs["seq_len"]) // max(1, tokens_per_image))
+        kwargs["buckets"] = sorted({min(n, most) for n in (1, 2, 4, 8)})
+    return kwargs
+
+
+def qwen2_vl_image_grid(width: int, height: int, patch_size: int) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of the image size NxD compiled Qwen2-VL's encoder for (NxDI resizes the
+    default size with transformers' ``smart_resize``)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    resized_height, resized_width = smart_resize(height=height, width=width)
+    return 1, resized_height // patch_size, resized_width // patch_size
 
 
 # -- artifact cache ----------------------------------------------------------------------------------------

@@ -172,6 +172,7 @@ class NeuronConfig:
                 f"emulator: {self.quantization_type} {self.quantization_dtype} quantization is not emulated"
             )
 
+        self.fused_qkv = kwargs.pop("fused_qkv", False)  # asserted on by Qwen2-VL's vision config
         self.tp_degree = kwargs.pop("tp_degree", 1)
         self.cp_degree = kwargs.pop("cp_degree", 1)
         self.pp_degree = kwargs.pop("pp_degree", 1)
