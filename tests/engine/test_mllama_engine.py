@@ -241,3 +241,30 @@ def test_a_recurring_image_is_encoded_once_per_admitting_step() -> None:
     outs = run(core, [twice, once])  # admitted in the same step
     assert backend.vlm.num_images_encoded - before == 1
     assert [tokens(o) for o in outs] == [reference_tokens(*twice), reference_tokens(*once)]
+
+
+def test_bf16_text_steps_take_the_fused_forward_and_image_steps_the_layer_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps without image rows skip the cross-attention layers, so the fused C forward (self-attention layers
+    only) runs them; steps with image rows take the layer path. Tokens equal the layer path's throughout."""
+    from nxdserve.engine.models import fused_decode
+
+    if not fused_decode.available():
+        pytest.skip("the fused C forward is not built on this machine")
+    core = make_core(dtype="bfloat16")
+    fused_calls = 0
+    real_run = fused_decode.FusedDecode.run
+
+    def counting_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal fused_calls
+        fused_calls += 1
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(fused_decode.FusedDecode, "run", counting_run)
+    (text,) = run(core, [prompt(0)])
+    assert fused_calls >= NEW_TOKENS - 1
+    fused_calls = 0
+    mixed = [tokens(o) for o in run(core, [prompt(1), prompt(0)])]
+    assert fused_calls == 0  # an image row in every step
+    monkeypatch.setattr(fused_decode, "enabled", False)
+    assert tokens(run(core, [prompt(0)])[0]) == tokens(text)
+    assert [tokens(o) for o in run(core, [prompt(1), prompt(0)])] == mixed
