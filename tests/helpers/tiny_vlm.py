@@ -124,10 +124,16 @@ MLLAMA_CHAT_TEMPLATE = (
 
 
 def build_tiny_mllama(
-    out_dir: Path, seed: int = 0, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None
+    out_dir: Path,
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    tile: int = MLLAMA_TILE,
+    max_tiles: int = 2,
 ) -> Path:
     """A random Mllama: 4 decoder layers, cross-attention at 1 and 3; a 2-layer local + 1 global vision encoder
-    over tiles of 28x28 pixels, at most 2 tiles an image (``MllamaImageProcessor``, saved beside it)."""
+    over tiles of ``tile`` pixels, at most ``max_tiles`` (2 or 4) an image (``MllamaImageProcessor``, saved
+    beside it)."""
     from transformers import AutoTokenizer, MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessor
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,8 +147,9 @@ def build_tiny_mllama(
                    "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id,
                    **(text or {})}  # fmt: skip
     vision_config = {"hidden_size": 32, "num_hidden_layers": 2, "num_global_layers": 1, "attention_heads": 2,
-                     "intermediate_size": 64, "image_size": MLLAMA_TILE, "patch_size": 14, "max_num_tiles": 2,
-                     "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]], "intermediate_layers_indices": [0],
+                     "intermediate_size": 64, "image_size": tile, "patch_size": 14, "max_num_tiles": max_tiles,
+                     "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]] if max_tiles == 2 else None,
+                     "intermediate_layers_indices": [0],
                      **(vision or {})}  # fmt: skip
     # The tower's output: its last hidden state and each intermediate layer's, concatenated.
     layers_out = 1 + len(vision_config["intermediate_layers_indices"])
@@ -163,7 +170,7 @@ def build_tiny_mllama(
             else:
                 param.copy_(0.15 * noise)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    image_processor = MllamaImageProcessor(size={"height": MLLAMA_TILE, "width": MLLAMA_TILE}, max_image_tiles=2)
+    image_processor = MllamaImageProcessor(size={"height": tile, "width": tile}, max_image_tiles=max_tiles)
     image_processor.save_pretrained(str(out_dir))
     tokenizer.chat_template = MLLAMA_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
