@@ -268,3 +268,34 @@ def test_bf16_text_steps_take_the_fused_forward_and_image_steps_the_layer_path(m
     monkeypatch.setattr(fused_decode, "enabled", False)
     assert tokens(run(core, [prompt(0)])[0]) == tokens(text)
     assert [tokens(o) for o in run(core, [prompt(1), prompt(0)])] == mixed
+
+
+@pytest.mark.anyio
+async def test_async_engine_generate_takes_vllm_multimodal_dicts() -> None:
+    from nxdserve.engine.async_engine import AsyncEngine
+
+    config = EngineConfig(model=str(tiny_mllama_path()), backend="torch", dtype="float32", max_model_len=128,
+                          max_num_seqs=2)  # fmt: skip
+    images = [random_image(*IMAGE_SIZES[0], seed=0)]
+    ids, mm = prompt(1)
+    async with AsyncEngine(config) as engine:
+        assert engine.accepts_images
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        params.output_kind = OutputKind.FINAL_ONLY
+        finals = []
+        for form in (
+            {"prompt": TEXTS[1], "multi_modal_data": {"image": images[0]}},
+            {"prompt_token_ids": tokenizer().encode(TEXTS[1]), "multi_modal_data": {"image": images}},
+        ):
+            async for out in engine.generate(form, SamplingParams(**vars(params))):
+                final = out
+            finals.append(final)
+        with pytest.raises(InvalidRequestError, match="image token"):
+            async for _ in engine.generate({"prompt": "no image token", "multi_modal_data": {"image": images}}):
+                pass
+        async for out in engine.generate(TEXTS[0], SamplingParams(**vars(params))):  # still serving
+            final = out
+    expected = reference_tokens(ids, mm)
+    assert [tokens(f) for f in finals] == [expected, expected]
+    assert all(len(f.prompt_token_ids) == len(ids) for f in finals)
+    assert tokens(final) == reference_tokens(*prompt(0))

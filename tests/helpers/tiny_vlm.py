@@ -1,7 +1,9 @@
 """A tiny random Qwen2-VL checkpoint an engine can serve: weights from a transformers config (no download), the
 default model's tokenizer with Qwen2-VL's vision tokens added, a chat template that places them, and the
 model's image processor (``Qwen2VLImageProcessor``, sized small so images take few tokens). The full
-``Qwen2VLProcessor`` also needs a video processor, which needs torchvision (not installed here)."""
+``Qwen2VLProcessor`` also needs a video processor, which needs torchvision (not installed here). And a tiny random
+Mllama (Llama 3.2 Vision, ``build_tiny_mllama``) with its ``MllamaImageProcessor`` and a template placing
+``<|image|>``."""
 
 from __future__ import annotations
 
