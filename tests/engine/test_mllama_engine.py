@@ -299,3 +299,30 @@ async def test_async_engine_generate_takes_vllm_multimodal_dicts() -> None:
     assert [tokens(f) for f in finals] == [expected, expected]
     assert all(len(f.prompt_token_ids) == len(ids) for f in finals)
     assert tokens(final) == reference_tokens(*prompt(0))
+
+
+def test_a_preempted_image_request_resumes_with_its_cross_attention_states() -> None:
+    """Priority preemption frees the slot (and its cross-attention states); the resumed request is admitted again,
+    its images encoded again, and its text equals the text alone."""
+    core = make_core(scheduling_policy="priority", max_num_seqs=1, enable_chunked_prefill=True)
+    ids, mm = prompt(2, first_image=1)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params.output_kind = OutputKind.FINAL_ONLY
+    image_request = core.make_request(ids, params, priority=5)
+    image_request.mm_inputs = mm
+    core.add_request(image_request)
+    finals: dict[str, RequestOutput] = {}
+    for _ in range(3):  # the prompt and two tokens
+        core.step()
+    urgent = core.make_request(prompt(0)[0], SamplingParams(**vars(params)), priority=0)
+    core.add_request(urgent)
+    backend: Any = core.backend
+    before = backend.vlm.num_images_encoded
+    while core.has_unfinished:
+        for out in core.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert core.scheduler.num_preemptions_total == 1
+    assert backend.vlm.num_images_encoded - before == 2  # its two images again, at re-admission
+    assert tokens(finals[image_request.request_id]) == reference_tokens(ids, mm)
+    assert tokens(finals[urgent.request_id]) == reference_tokens(*prompt(0))
