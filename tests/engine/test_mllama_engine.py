@@ -326,3 +326,10 @@ def test_a_preempted_image_request_resumes_with_its_cross_attention_states() -> 
     assert backend.vlm.num_images_encoded - before == 2  # its two images again, at re-admission
     assert tokens(finals[image_request.request_id]) == reference_tokens(ids, mm)
     assert tokens(finals[urgent.request_id]) == reference_tokens(*prompt(0))
+
+
+def test_lora_is_refused_at_start_up() -> None:
+    from nxdserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="enable-lora"):
+        make_core(enable_lora=True)

@@ -96,7 +96,7 @@ class TorchBackend(Backend):
         started = time.perf_counter()
         # A vision-language model (Qwen2-VL, Mllama): its decoder runs in the slot runner, its encoder at admission.
         self.vlm = _vision_language_model(model_path, self.dtype, self.device, config.max_model_len)
-        if self.vlm is not None and config.enable_lora and self.vlm.text.spec.model_type != "qwen2":
+        if config.enable_lora and type(self.vlm).__name__ == "MllamaModel":  # adapters know no cross layers
             raise ConfigError("--enable-lora is not supported with Mllama (cross-attention) models yet.")
         if self.vlm is None:
             self.runner = SlotModelRunner.from_pretrained(
@@ -206,8 +206,8 @@ class TorchBackend(Backend):
         embeds = cos_sin = None
         if self.vlm is not None and batch.has_images[rows.slots].any():
             # Image rows: Qwen2-VL's features replace image-token embeddings and they rotate by M-RoPE; Mllama's
-            # tokens attend to their slot's image in the cross-attention layers. Either way the fused C forward,
-            # which takes token ids and plain positions over self-attention layers, sits this step out.
+            # tokens attend to their slot's images in the cross-attention layers (set for the next forward, which
+            # then takes the layer path: the fused C forward covers the self-attention layers only).
             token_slots, token_positions = rows.slots[token_row], positions
             if alts is not None:
                 token_slots = np.concatenate((token_slots, rows.slots[alts.row]))
