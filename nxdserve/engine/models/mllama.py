@@ -155,10 +155,6 @@ class MllamaDecoder(LlamaFamilyModel):
         self.cross_layers = nn.ModuleList(CrossAttentionLayer(spec, dtype, device) for _ in self.cross_positions)
         self.cross_step: CrossStep | None = None
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.lm_head_weight.shape[0])
-
     def layer_order(self) -> list[tuple[str, int]]:
         """The decoder's layers in order: ("self", index in the slot KV) or ("cross", index among cross layers)."""
         order: list[tuple[str, int]] = []
@@ -385,8 +381,7 @@ class MllamaModel(nn.Module):
                 torch.from_numpy(at).to(self.device), states,
                 torch.from_numpy(states.pattern_of[pos]).to(self.device),
             ))  # fmt: skip
-        index = torch.cat([g[0] for g in groups]) if groups else torch.zeros(0, dtype=torch.int64)
-        self.text.cross_step = CrossStep(groups, index) if groups else None
+        self.text.cross_step = CrossStep(groups, torch.cat([g[0] for g in groups])) if groups else None
         return None, None
 
     @torch.inference_mode()
