@@ -3,6 +3,11 @@ without their images, same run, on the engine core (torch backend).
 
     python benchmarks/mm_bench.py                         # the default small random Qwen2-VL, bf16 on CPU
     python benchmarks/mm_bench.py --vision-depth 32 --vision-dim 1280 --out mm_bench.json   # Qwen2-VL-2B's tower
+    python benchmarks/mm_bench.py --family mllama --dtype float32   # a random Mllama (4 self + 1 cross layer)
+
+With --family mllama the model is a random Llama 3.2 Vision of the same widths: 224-pixel tiles (up to 4), so a
+448x448 image is 2x2 tiles of 257 vision tokens that the cross-attention layer reads; the prompt keeps one
+<|image|> token.
 
 The model is a random Qwen2-VL built here from a transformers config (nothing is downloaded): by default a
 decoder of hidden 256 x 4 layers and a vision tower of embed_dim 256 x 4 blocks (Qwen2-VL-2B's is 1280 x 32:
@@ -28,7 +33,7 @@ from nxdserve.engine.core import EngineCore
 from nxdserve.engine.loader import build_engine_core
 from nxdserve.engine.mm_inputs import ImagePromptProcessor
 from nxdserve.sampling_params import OutputKind, SamplingParams
-from tests.helpers.tiny_vlm import build_tiny_qwen2_vl, random_image
+from tests.helpers.tiny_vlm import build_tiny_mllama, build_tiny_qwen2_vl, random_image
 
 NUM_REQUESTS = 8
 IMAGE_SIDE = 448
@@ -42,6 +47,15 @@ QUESTIONS = [
 
 
 def build_model(folder: Path, args: argparse.Namespace) -> Path:
+    if args.family == "mllama":  # 224-pixel tiles, up to 4: a 448x448 image is 2x2 tiles of 16x16 patches
+        return build_tiny_mllama(
+            folder,
+            text={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 5, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "max_position_embeddings": 1024, "cross_attention_layers": [2]},
+            vision={"hidden_size": args.vision_dim, "num_hidden_layers": args.vision_depth, "num_global_layers": 1,
+                    "attention_heads": max(1, args.vision_dim // 64), "intermediate_size": 4 * args.vision_dim},
+            tile=224, max_tiles=4,
+        )  # fmt: skip
     heads = 16 if args.vision_dim == 1280 else max(1, args.vision_dim // 64)  # Qwen2-VL-2B: 16 heads of 80
     return build_tiny_qwen2_vl(
         folder,
@@ -53,12 +67,14 @@ def build_model(folder: Path, args: argparse.Namespace) -> Path:
     )  # fmt: skip
 
 
-def prompts(core: EngineCore, processor: ImagePromptProcessor, with_images: bool) -> tuple[list[Any], float]:
+def prompts(
+    core: EngineCore, processor: ImagePromptProcessor, with_images: bool, pad: str = PAD
+) -> tuple[list[Any], float]:
     """(prompt token ids and image inputs per request, processor seconds per image)."""
     out, spent = [], 0.0
     for i in range(NUM_REQUESTS):
         question = QUESTIONS[i % len(QUESTIONS)]
-        text = f"<|im_start|>user{PAD if with_images else ''}{question}<|im_end|><|im_start|>assistant"
+        text = f"<|im_start|>user{pad if with_images else ''}{question}<|im_end|><|im_start|>assistant"
         ids = list(core.tokenizer.encode(text))
         if not with_images:
             out.append((ids, None))
@@ -113,23 +129,28 @@ def main() -> None:
     parser.add_argument("--vision-depth", type=int, default=4)
     parser.add_argument("--vision-dim", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--family", choices=("qwen2_vl", "mllama"), default="qwen2_vl")
     parser.add_argument("--out", default="mm_bench.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp) / "qwen2-vl", args)
+        path = build_model(Path(tmp) / args.family, args)
         config = EngineConfig(model=str(path), backend="torch", dtype=args.dtype, max_model_len=512,
                               max_num_seqs=NUM_REQUESTS)  # fmt: skip
         core, files = build_engine_core(config, with_metrics=False)
         processor = ImagePromptProcessor(path, int(files.hf_config.image_token_id))
-        workloads = {"text": prompts(core, processor, False), "image": prompts(core, processor, True)}
+        pad = "<|image|>" if args.family == "mllama" else PAD
+        workloads = {"text": prompts(core, processor, False, pad), "image": prompts(core, processor, True, pad)}
         run_once(core, workloads["image"][0], 2)  # warm-up: the encoder's first GEMMs of each shape
         results: dict[str, list[dict[str, float]]] = {name: [] for name in workloads}
         for _ in range(args.repeats):
             for name, (batch, _) in workloads.items():  # interleaved: background load hits both alike
                 results[name].append(run_once(core, batch, args.max_tokens))
     summary: dict[str, Any] = {
-        "model": {"decoder": "hidden 256 x 4 layers", "vision": f"embed_dim {args.vision_dim} x {args.vision_depth}",
-                  "dtype": args.dtype, "image": f"{IMAGE_SIDE}x{IMAGE_SIDE}", "image_tokens": 256},
+        "model": {"family": args.family, "vision": f"embed_dim {args.vision_dim} x {args.vision_depth}",
+                  "decoder": "hidden 256 x 4 layers" + (" + 1 cross-attention" if args.family == "mllama" else ""),
+                  "dtype": args.dtype, "image": f"{IMAGE_SIDE}x{IMAGE_SIDE}",
+                  # Qwen2-VL: image tokens in the prompt; Mllama: vision tokens its cross-attention reads
+                  "image_tokens": 4 * 257 if args.family == "mllama" else 256},
         "requests": NUM_REQUESTS, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "processor_s_per_image": workloads["image"][1],
     }  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,13 @@ class Request:
             return ids
         for digest, start, count in zip(mm.image_hashes, mm.image_offsets, mm.num_image_tokens, strict=True):
             ids[start : start + count] = -1 - int(digest[:15], 16)
+        if mm.cross_attention and mm.image_offsets:
+            # Mllama: the text before the first image attends to every image too (transformers' full text rows
+            # keep their cross-attention output), so its KV depends on all of them: key it on their hashes.
+            images = int(hashlib.sha256("".join(mm.image_hashes).encode()).hexdigest()[:9], 16)  # 36 bits
+            first = mm.image_offsets[0]
+            # Below every image token's key (> -2**60): -2**62 - (images' 36 bits, then the token's 24).
+            ids[:first] = -(2**62) - ((images << 24) | (ids[:first] & (2**24 - 1)))
         return ids
 
     @property

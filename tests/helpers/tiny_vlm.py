@@ -1,7 +1,9 @@
 """A tiny random Qwen2-VL checkpoint an engine can serve: weights from a transformers config (no download), the
 default model's tokenizer with Qwen2-VL's vision tokens added, a chat template that places them, and the
 model's image processor (``Qwen2VLImageProcessor``, sized small so images take few tokens). The full
-``Qwen2VLProcessor`` also needs a video processor, which needs torchvision (not installed here)."""
+``Qwen2VLProcessor`` also needs a video processor, which needs torchvision (not installed here). And a tiny random
+Mllama (Llama 3.2 Vision, ``build_tiny_mllama``) with its ``MllamaImageProcessor`` and a template placing
+``<|image|>``."""
 
 from __future__ import annotations
 
@@ -105,3 +107,82 @@ def data_url(image: Any) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+# -- Mllama (Llama 3.2 Vision) --------------------------------------------------------------------------------
+
+MLLAMA_IMAGE_TOKEN = "<|image|>"
+MLLAMA_TILE = 28  # each tile is 2x2 patches of 14 pixels (+ the class token: 5 vision tokens a tile)
+
+MLLAMA_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string -%}{{ message.content }}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}<|image|>"
+    "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def build_tiny_mllama(
+    out_dir: Path,
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    tile: int = MLLAMA_TILE,
+    max_tiles: int = 2,
+) -> Path:
+    """A random Mllama: 4 decoder layers, cross-attention at 1 and 3; a 2-layer local + 1 global vision encoder
+    over tiles of ``tile`` pixels, at most ``max_tiles`` (2 or 4) an image (``MllamaImageProcessor``, saved
+    beside it)."""
+    from transformers import AutoTokenizer, MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessor
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy_default_tokenizer(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [MLLAMA_IMAGE_TOKEN]})
+    image = tokenizer.convert_tokens_to_ids(MLLAMA_IMAGE_TOKEN)
+    text_config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 512,
+                   "cross_attention_layers": [1, 3], "bos_token_id": tokenizer.bos_token_id,
+                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id,
+                   **(text or {})}  # fmt: skip
+    vision_config = {"hidden_size": 32, "num_hidden_layers": 2, "num_global_layers": 1, "attention_heads": 2,
+                     "intermediate_size": 64, "image_size": tile, "patch_size": 14, "max_num_tiles": max_tiles,
+                     "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]] if max_tiles == 2 else None,
+                     "intermediate_layers_indices": [0],
+                     **(vision or {})}  # fmt: skip
+    # The tower's output: its last hidden state and each intermediate layer's, concatenated.
+    layers_out = 1 + len(vision_config["intermediate_layers_indices"])
+    vision_config["vision_output_dim"] = vision_config["hidden_size"] * layers_out
+    config = MllamaConfig(text_config=text_config, vision_config=vision_config, image_token_index=image)
+    torch.manual_seed(seed)
+    model = MllamaForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # as the Qwen2-VL builder: visible logits; gates open (transformers inits them at 0)
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            elif "gate" in name and param.numel() == 1:
+                param.copy_(0.5 + 0.3 * noise)
+            else:
+                param.copy_(0.15 * noise)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    image_processor = MllamaImageProcessor(size={"height": tile, "width": tile}, max_image_tiles=max_tiles)
+    image_processor.save_pretrained(str(out_dir))
+    tokenizer.chat_template = MLLAMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@cache
+def tiny_mllama_path() -> Path:
+    import atexit
+
+    root = Path(tempfile.mkdtemp(prefix="nxdserve-tiny-mllama-"))
+    atexit.register(shutil.rmtree, root, True)
+    return build_tiny_mllama(root / "mllama")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,7 +37,8 @@ from nxdserve.lora.stack import LoraStack
 from nxdserve.model_files import eos_token_ids
 
 if TYPE_CHECKING:
-    from nxdserve.engine.models.qwen2_vl import Qwen2VLModel
+    from nxdserve.engine.models.mllama import MllamaModel, SlotCrossStates
+    from nxdserve.engine.models.qwen2_vl import Qwen2VLModel, SlotImages
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,10 @@ class TorchBackend(Backend):
         # A pre-quantized checkpoint names its own format (vLLM's auto-detection); a clashing flag fails here.
         config.quantization = resolve_quantization(config.quantization, model_path)
         started = time.perf_counter()
-        # A vision-language model (Qwen2-VL): its decoder runs in the slot runner, its encoder at admission.
+        # A vision-language model (Qwen2-VL, Mllama): its decoder runs in the slot runner, its encoder at admission.
         self.vlm = _vision_language_model(model_path, self.dtype, self.device, config.max_model_len)
+        if config.enable_lora and type(self.vlm).__name__ == "MllamaModel":  # adapters know no cross layers
+            raise ConfigError("--enable-lora is not supported with Mllama (cross-attention) models yet.")
         if self.vlm is None:
             self.runner = SlotModelRunner.from_pretrained(
                 model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device
@@ -201,8 +205,9 @@ class TorchBackend(Backend):
             lora = self.lora_stack.step(batch.lora_slot[token_slots])
         embeds = cos_sin = None
         if self.vlm is not None and batch.has_images[rows.slots].any():
-            # Image rows: their features replace image-token embeddings and they rotate by M-RoPE (so the fused
-            # C forward, which takes token ids and plain positions, sits this step out).
+            # Image rows: Qwen2-VL's features replace image-token embeddings and they rotate by M-RoPE; Mllama's
+            # tokens attend to their slot's images in the cross-attention layers (set for the next forward, which
+            # then takes the layer path: the fused C forward covers the self-attention layers only).
             token_slots, token_positions = rows.slots[token_row], positions
             if alts is not None:
                 token_slots = np.concatenate((token_slots, rows.slots[alts.row]))
@@ -330,12 +335,15 @@ class TorchBackend(Backend):
                 in_use = set(batch.lora_slot[batch.active].tolist())
                 batch.lora_slot[new.slot] = stack.slot_for(new.lora, in_use)
 
-    def _encode_images(self, plan: StepPlan, batch: PersistentBatch, vlm: Qwen2VLModel) -> None:
+    def _encode_images(self, plan: StepPlan, batch: PersistentBatch, vlm: Qwen2VLModel | MllamaModel) -> None:
         """The step's new image requests through the vision encoder (one batched call); each slot keeps its
-        features and positions until the request finishes (``PersistentBatch.remove`` drops them)."""
+        features and positions (Qwen2-VL) or cross-attention keys and values (Mllama) until the request finishes
+        (``PersistentBatch.remove`` drops them)."""
         started = time.perf_counter()
         news = [new for new in plan.new_requests if new.mm_inputs is not None]
-        encoded = vlm.encode_new([(new.prompt_token_ids, new.mm_inputs) for new in news if new.mm_inputs])
+        encoded: Sequence[SlotImages | SlotCrossStates] = vlm.encode_new(
+            [(new.prompt_token_ids, new.mm_inputs) for new in news if new.mm_inputs]
+        )
         for new, images in zip(news, encoded, strict=True):
             batch.has_images[new.slot] = True
             batch.images[new.slot] = images
@@ -545,14 +553,19 @@ def _mask(plan: StepPlan, rows: _Rows) -> TokenMask | None:
     return plan.token_mask.for_logits(rows.sampled, rows.width)
 def _vision_language_model(
     model_path: Path, dtype: torch.dtype, device: torch.device, max_len: int
-) -> Qwen2VLModel | None:
-    """The folder's model when it is a vision-language model this backend drives (Qwen2-VL), else None."""
-    from nxdserve.engine.models.qwen2_vl import MODEL_TYPES, Qwen2VLModel
+) -> Qwen2VLModel | MllamaModel | None:
+    """The folder's model when it is a vision-language model this backend drives (Qwen2-VL, Mllama), else None."""
+    from nxdserve.engine.models import mllama, qwen2_vl
     from nxdserve.model_files import load_hf_config
 
-    if not (model_path / "config.json").is_file() or load_hf_config(model_path).model_type not in MODEL_TYPES:
+    if not (model_path / "config.json").is_file():
         return None
-    return Qwen2VLModel.from_pretrained(model_path, dtype, device, max_len).eval()
+    model_type = load_hf_config(model_path).model_type
+    if model_type in qwen2_vl.MODEL_TYPES:
+        return qwen2_vl.Qwen2VLModel.from_pretrained(model_path, dtype, device, max_len).eval()
+    if model_type in mllama.MODEL_TYPES:
+        return mllama.MllamaModel.from_pretrained(model_path, dtype, device, max_len).eval()
+    return None
 
 
 def _gguf_file(config: EngineConfig) -> Path | None:
