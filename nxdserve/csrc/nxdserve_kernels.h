@@ -40,10 +40,15 @@ typedef struct nxd_attention_args {
     int64_t o_st;
     float scale;
     int32_t nthreads;
+    const float* kv_lut; /* fp8 caches: the value of each of the 256 codes (NULL for the model-dtype kernels) */
+    float v_scale;       /* fp8 caches: V's scale, applied to the output (K's is folded into scale) */
 } nxd_attention_args;
 
 void slot_attention_bf16(const nxd_attention_args* a);
 void slot_attention_f32(const nxd_attention_args* a);
+/* An fp8 KV cache (uint8 codes): attend only (k == NULL; the caller has written the new K/V). */
+void slot_attention_fp8_bf16(const nxd_attention_args* a);
+void slot_attention_fp8_f32(const nxd_attention_args* a);
 
 /* ---- elementwise.c: layer ops and argmax ------------------------------------------------------------------ */
 void add_rmsnorm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, uint16_t* sum,

@@ -14,7 +14,7 @@ import torch
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.kv_sizing import KVBudget, fit_slots, kv_bytes_per_slot, kv_element_bytes
-from nxdserve.engine.models import kv_quant
+from nxdserve.engine.models import cpu_kernels, kv_quant
 from nxdserve.engine.models.attention import DraftAlternatives
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.runner import SlotModelRunner
@@ -146,8 +146,40 @@ def test_calculated_scales_store_k_over_scale() -> None:
     assert float(calc.kv_cache.data[0, 0].float().abs().max()) == pytest.approx(200, rel=0.07)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: no CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kernel_reads_what_sdpa_reads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes and verification rows attend through the C kernel reading fp8 codes (one byte each); SDPA over the
+    widened cache gives the same outputs, with calculated (non-1.0) scales too."""
+    model, toks = tiny(dtype), _tokens(50, seed=5)
+    calls = []
+    original = cpu_kernels.slot_attention_fp8
+    monkeypatch.setattr(cpu_kernels, "slot_attention_fp8", lambda *a: calls.append(1) or original(*a))
+
+    def steps(runner: SlotModelRunner) -> torch.Tensor:
+        runner.run(toks[:40], np.array([1]), np.array([0]), np.array([40]))
+        runner.run(toks[:9], np.array([3]), np.array([0]), np.array([9]))
+        outs = [runner.run(toks[40:42], np.array([1, 3]), np.array([40, 9]), np.array([1, 1]))]
+        outs.append(runner.run(toks[42:50], np.array([3, 1]), np.array([10, 41]), np.array([4, 4])))  # verify rows
+        return torch.cat(outs).float()
+
+    for calculate in (False, True):
+        calls.clear()
+        kernel = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype="fp8", calculate_kv_scales=calculate))
+        assert calls  # the kernel ran
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernels, "supports_fp8", lambda q, k: False)
+            sdpa = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype="fp8", calculate_kv_scales=calculate))
+        if dtype == torch.float32:
+            torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-5)
+        else:  # bf16 roundings differ between the paths: measured ~1% of the magnitude, as with an auto cache
+            torch.testing.assert_close(kernel, sdpa, rtol=0.05, atol=0.1)
+            assert float((kernel - sdpa).abs().mean()) < 0.02 * float(sdpa.abs().mean())
+
+
 def test_bf16_fp8_cache_takes_the_torch_path() -> None:
-    """The fused C forward reads bf16 K/V: with an fp8 cache it must decline (and the forward still runs)."""
+    """The fused C forward reads bf16 K/V: with an fp8 cache it declines (the layer path runs, its attention on
+    the fp8 kernel)."""
     model = tiny(torch.bfloat16)
     runner = SlotModelRunner(model, 1, 64, kv_cache_dtype="fp8")
     meta = runner.metadata(np.array([0]), np.array([0]), np.array([4]))

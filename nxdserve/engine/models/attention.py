@@ -41,7 +41,8 @@ class SlotKVCache:
     (``huge_pages``): decodes touch it in thousands of scattered runs a step.
 
     ``storage``: an fp8 dtype stores ``fp8(x / scale)`` with ``scales`` per layer (``kv_quant``); attention
-    quantizes on write and widens what it reads. None: the model's ``dtype``, as written."""
+    quantizes on write; decodes read the codes in the C kernel (``cpu_kernels.slot_attention_fp8``), the SDPA
+    paths (prefill chunks, no kernel) widen what they read. None: the model's ``dtype``, as written."""
 
     def __init__(
         self,
@@ -339,7 +340,8 @@ def slot_attention(
     """Store the new K/V in their slots, then attend. q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq * D).
 
     An fp8 cache (``kv_quant``) stores ``fp8(k / k_scale)`` and ``fp8(v / v_scale)`` (``kv_scales``, 1.0 when
-    None) and attends what it stores on the torch path: the C kernel reads the model dtype only."""
+    None) and attends what it stores: the batched rows through the fp8 C kernel where it runs, else SDPA over
+    widened copies."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     groups = num_heads // num_kv_heads
@@ -348,6 +350,22 @@ def slot_attention(
         k = kv_quant.quantize(k, k_scale, k_cache.dtype)
         v = kv_quant.quantize(v, v_scale, v_cache.dtype)
         reader = _Reader(q.dtype, k_scale, v_scale, head_dim)
+        if (
+            meta.use_kernel
+            and meta.max_slot < k_cache.shape[0]
+            and meta.max_end <= k_cache.shape[2]
+            and cpu_kernels.supports_fp8(q, k_cache)
+        ):
+            # torch writes the codes (the same on every path); the kernel reads a byte per element, no widened copy.
+            k_cache[meta.write_slots, :, meta.positions] = k
+            v_cache[meta.write_slots, :, meta.positions] = v
+            out = q.new_empty(num_tokens, num_heads * head_dim)
+            cpu_kernels.slot_attention_fp8(
+                q, k_cache, v_cache, meta.write_slots, meta.positions, meta.kernel_select, meta.kernel_count,
+                window, k_scale, v_scale, out,
+            )  # fmt: skip
+            _attend_chunks(q, k_cache, v_cache, meta, window, out, reader)
+            return out
     elif (
         meta.use_kernel
         and meta.max_slot < k_cache.shape[0]
