@@ -34,8 +34,11 @@ def main() -> None:
     args = ap.parse_args()
     rows: list[dict[str, object]] = []
     for kv_dtype in args.kv_cache_dtypes:
+        # Prefill-first, no anti-starvation break: every stream's long prompt is in before the timed decode
+        # steps, so each of them runs all the streams (chunked mode would finish early streams during prefill).
         config = EngineConfig(model=None, backend="torch", device="cpu", dtype=args.dtype, kv_cache_dtype=kv_dtype,
-                              max_model_len=args.context + args.tokens + 8, max_num_seqs=max(args.batches))
+                              max_model_len=args.context + args.tokens + 8, max_num_seqs=max(args.batches),
+                              enable_chunked_prefill=False, max_consecutive_prefill_steps=1 << 30)
         core, _ = build_engine_core(config, with_metrics=False)
         text = SAMPLE.read_text()
         ids = list(core.tokenizer.encode(text))

@@ -40,13 +40,13 @@ typedef struct nxd_attention_args {
     int64_t o_st;
     float scale;
     int32_t nthreads;
-    const float* kv_lut; /* fp8 caches: the value of each of the 256 codes (NULL for the model-dtype kernels) */
-    float v_scale;       /* fp8 caches: V's scale, applied to the output (K's is folded into scale) */
+    int32_t kv_fp8;  /* fp8 caches: 1 = e4m3fn, 2 = e5m2 (0 for the model-dtype kernels) */
+    float v_scale;   /* fp8 caches: V's scale, applied to the output (K's is folded into scale) */
 } nxd_attention_args;
 
 void slot_attention_bf16(const nxd_attention_args* a);
 void slot_attention_f32(const nxd_attention_args* a);
-/* An fp8 KV cache (uint8 codes): attend only (k == NULL; the caller has written the new K/V). */
+/* An fp8 KV cache (uint8 codes): k and v are the new tokens' codes (already cast), written as bytes. */
 void slot_attention_fp8_bf16(const nxd_attention_args* a);
 void slot_attention_fp8_f32(const nxd_attention_args* a);
 

@@ -146,9 +146,50 @@ def test_calculated_scales_store_k_over_scale() -> None:
     assert float(calc.kv_cache.data[0, 0].float().abs().max()) == pytest.approx(200, rel=0.07)
 
 
+@pytest.mark.parametrize("path", [p for p in cpu_kernels.runnable_paths() if p != "none"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_attention_kernel_on_every_path(path: str, name: str) -> None:
+    """The kernel alone, on each ISA build this CPU runs (F16C widening on avx2 and up, scalar on generic):
+    every code (subnormals included, both signs) read exactly, scales applied, against widened SDPA."""
+    from nxdserve.cpu_options import CpuOptions
+    from nxdserve.engine.models import cpu_setup
+
+    dtype = FP8[name]
+    gen = torch.Generator().manual_seed(6)
+    slots, kv_heads, length, head_dim, group = 3, 2, 300, 64, 3
+    codes = torch.randint(0, 256, (2, slots, kv_heads, length, head_dim), generator=gen, dtype=torch.int32)
+    codes = codes.to(torch.uint8)
+    widened = codes.view(dtype).float()
+    codes[widened.isnan() | widened.isinf()] = 0  # never written: writes saturate
+    cache = codes.view(dtype)
+    k_cache, v_cache = cache[0], cache[1]
+    q = torch.randn(2, kv_heads * group, head_dim, generator=gen)
+    rows, positions = torch.tensor([2, 0]), torch.tensor([299, 130])
+    k_scale, v_scale = (0.03, 0.5) if name == "fp8_e4m3" else (2e-4, 1e-3)  # moderate scores for e5m2's range too
+    # The new tokens' codes: the kernel stores them at their positions (the last key each row attends).
+    new_k, new_v = k_cache[rows, :, positions].clone(), v_cache[rows, :, positions].clone()
+    k_cache[rows, :, positions] = v_cache[rows, :, positions] = torch.zeros(1, dtype=torch.uint8).view(dtype)
+    try:
+        assert cpu_setup.apply(CpuOptions(isa=path)) == path
+        out = torch.empty(2, kv_heads * group * head_dim)
+        cpu_kernels.slot_attention_fp8(q, new_k, new_v, k_cache, v_cache, rows, positions, None, 2, None, k_scale,
+                                       v_scale, out)  # fmt: skip
+    finally:
+        cpu_setup.apply(CpuOptions())
+    assert torch.equal(k_cache[rows, :, positions].view(torch.uint8), new_k.view(torch.uint8))
+    assert torch.equal(v_cache[rows, :, positions].view(torch.uint8), new_v.view(torch.uint8))
+    for i in range(2):
+        n = int(positions[i]) + 1
+        keys = k_cache[int(rows[i]), :, :n].float() * k_scale
+        values = v_cache[int(rows[i]), :, :n].float() * v_scale
+        ref = torch.nn.functional.scaled_dot_product_attention(q[i].view(kv_heads, group, head_dim), keys, values)
+        torch.testing.assert_close(out[i], ref.reshape(-1), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: no CPU kernels")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_kernel_reads_what_sdpa_reads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("dtype", "name"), [(torch.float32, "fp8"), (torch.float32, "fp8_e5m2"),
+                                           (torch.bfloat16, "fp8")])
+def test_fp8_kernel_reads_what_sdpa_reads(dtype: torch.dtype, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decodes and verification rows attend through the C kernel reading fp8 codes (one byte each); SDPA over the
     widened cache gives the same outputs, with calculated (non-1.0) scales too."""
     model, toks = tiny(dtype), _tokens(50, seed=5)
@@ -165,11 +206,11 @@ def test_fp8_kernel_reads_what_sdpa_reads(dtype: torch.dtype, monkeypatch: pytes
 
     for calculate in (False, True):
         calls.clear()
-        kernel = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype="fp8", calculate_kv_scales=calculate))
+        kernel = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype=name, calculate_kv_scales=calculate))
         assert calls  # the kernel ran
         with monkeypatch.context() as m:
             m.setattr(cpu_kernels, "supports_fp8", lambda q, k: False)
-            sdpa = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype="fp8", calculate_kv_scales=calculate))
+            sdpa = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype=name, calculate_kv_scales=calculate))
         if dtype == torch.float32:
             torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-5)
         else:  # bf16 roundings differ between the paths: measured ~1% of the magnitude, as with an auto cache

@@ -356,12 +356,11 @@ def slot_attention(
             and meta.max_end <= k_cache.shape[2]
             and cpu_kernels.supports_fp8(q, k_cache)
         ):
-            # torch writes the codes (the same on every path); the kernel reads a byte per element, no widened copy.
-            k_cache[meta.write_slots, :, meta.positions] = k
-            v_cache[meta.write_slots, :, meta.positions] = v
+            # torch casts the codes (the same on every path); the kernel stores them and reads a byte per element,
+            # with no widened copy (and no index_put: measured ~20 ms a layer on an fp8 tensor at 32 rows).
             out = q.new_empty(num_tokens, num_heads * head_dim)
             cpu_kernels.slot_attention_fp8(
-                q, k_cache, v_cache, meta.write_slots, meta.positions, meta.kernel_select, meta.kernel_count,
+                q, k, v, k_cache, v_cache, meta.write_slots, meta.positions, meta.kernel_select, meta.kernel_count,
                 window, k_scale, v_scale, out,
             )  # fmt: skip
             _attend_chunks(q, k_cache, v_cache, meta, window, out, reader)

@@ -27,7 +27,6 @@ the model runs its torch ops and SDPA.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -215,7 +214,7 @@ class AttentionArgs(ctypes.Structure):
         *_fields("v", _p), *_fields("v_st v_sh", _i64), *_fields("k_cache v_cache", _p),
         *_fields("c_ss c_sh", _i64), *_fields("slots pos", _p), *_fields("ntok", _i64), *_fields("sel", _p),
         *_fields("nsel hkv group head_dim window", _i64), *_fields("out", _p), *_fields("o_st", _i64),
-        ("scale", _f32), ("nthreads", _i32), *_fields("kv_lut", _p), ("v_scale", _f32),
+        ("scale", _f32), ("nthreads", _i32), ("kv_fp8", _i32), ("v_scale", _f32),
     ]  # fmt: skip
 
 
@@ -465,7 +464,7 @@ def slot_attention(
         v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), positions.data_ptr(), num_tokens,
         None if select is None else select.data_ptr(), num_select, num_kv_heads, num_heads // num_kv_heads,
-        head_dim, window or 0, out.data_ptr(), out.stride(0), head_dim**-0.5, torch.get_num_threads(), None, 1.0,
+        head_dim, window or 0, out.data_ptr(), out.stride(0), head_dim**-0.5, torch.get_num_threads(), 0, 1.0,
     )  # fmt: skip
     fn(ctypes.byref(args))
 
@@ -479,14 +478,10 @@ def supports_fp8(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return q.shape[1] // k_cache.shape[1] <= MAX_GROUP and q.shape[2] <= MAX_HEAD_DIM and available()
 
 
-@functools.cache
-def fp8_table(dtype: torch.dtype) -> torch.Tensor:
-    """fp32 value of each of the 256 codes of an fp8 dtype (the kernel widens through it: exact)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().contiguous()
-
-
 def slot_attention_fp8(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
@@ -498,23 +493,24 @@ def slot_attention_fp8(
     v_scale: float,
     out: torch.Tensor,
 ) -> None:
-    """``slot_attention`` over an fp8 cache (S, Hkv, L, D) that already holds this step's K/V (written by the
-    caller): attends the selected tokens' q into ``out``, reading one byte per cached element. Cached values are
-    ``code * k_scale`` / ``code * v_scale``."""
+    """``slot_attention`` over an fp8 cache (S, Hkv, L, D): writes the codes k/v (T, Hkv, D), already cast to the
+    cache's dtype (``kv_quant.quantize``), at (slots, positions), then attends the selected tokens' q into ``out``,
+    reading one byte per cached element. Cached values are ``code * k_scale`` / ``code * v_scale``."""
     lib = _library()
     assert lib is not None
     fn = lib.slot_attention_fp8_bf16 if q.dtype == torch.bfloat16 else lib.slot_attention_fp8_f32
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert q.stride(2) == 1 and out.stride(1) == 1 and k_cache.dtype == v_cache.dtype
-    table = fp8_table(k_cache.dtype)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(1) == 1
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
     args = AttentionArgs(
-        q.data_ptr(), q.stride(0), q.stride(1), None, 0, 0, None, 0, 0, k_cache.data_ptr(), v_cache.data_ptr(),
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), positions.data_ptr(), num_tokens,
         None if select is None else select.data_ptr(), num_select, num_kv_heads, num_heads // num_kv_heads,
         head_dim, window or 0, out.data_ptr(), out.stride(0), k_scale * head_dim**-0.5, torch.get_num_threads(),
-        table.data_ptr(), v_scale,
+        1 if k_cache.dtype == torch.float8_e4m3fn else 2, v_scale,
     )  # fmt: skip
     fn(ctypes.byref(args))
 

@@ -64,8 +64,8 @@ class KVScales:
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``fp8(x / scale)``, saturating at the format's largest finite value."""
     limit = torch.finfo(dtype).max
-    y = x.float() if scale == 1.0 else x.float() / scale
-    return y.clamp_(-limit, limit).to(dtype)
+    y = x.float() if scale == 1.0 else x.float() / scale  # x itself for fp32 at scale 1: clamp out of place
+    return y.clamp(-limit, limit).to(dtype)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
