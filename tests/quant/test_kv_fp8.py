@@ -321,7 +321,7 @@ def _logits(model: LlamaFamilyModel, ids: list[int], kv_cache_dtype: str) -> tor
     return runner.logits(hidden)
 
 
-@pytest.mark.slow  # ~90 s: three fp32 passes of the default model over 404 tokens on 2 loaded cores
+@pytest.mark.slow  # ~45 s: three fp32 passes of the default model over 404 tokens
 def test_fp8_perplexity_on_the_shipped_sample() -> None:
     """Measured on SmolLM2-135M (fp32 weights, 404 tokens): auto 11.572; fp8 e4m3 11.648 (+0.66%, top-1
     agreement 93.8%); e5m2 12.164 (+5.1%, 90.1%). Bounds with margin: e4m3 1.5%, e5m2 8%."""
