@@ -29,8 +29,8 @@ from nxdserve.sampling_params import OutputKind  # noqa: E402 - after the wait p
 PROMPT = "Write a long story about a robot who learns to paint. Once upon a time"
 
 
-def bench_engine_decode(core: EngineCore, batch: int, tokens: int) -> dict[str, float]:
-    prompt = list(core.tokenizer.encode(PROMPT))
+def bench_engine_decode(core: EngineCore, batch: int, tokens: int, prompt: list[int] | None = None) -> dict[str, float]:
+    prompt = list(core.tokenizer.encode(PROMPT)) if prompt is None else prompt
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
     for _ in range(batch):
         core.add_request(core.make_request(prompt, params))

@@ -119,6 +119,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         download_dir=args.download_dir,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         disable_log_stats=args.disable_log_stats,
         cpu=cpu_options_from_args(args),
         **chat_config_kwargs(args),  # issue 27

@@ -37,6 +37,9 @@ QUANTIZATION_METHODS = (
     "fp8", "int8", "rtn-int8", "int4", "rtn", "int4-g32", "int4-g64", "int4-g128", "gguf", "compressed-tensors",
 )  # fmt: skip
 
+# --kv-cache-dtype values, as vLLM's (fp8 = fp8_e4m3); see engine.models.kv_quant.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 @dataclass
 class EngineConfig:
@@ -79,6 +82,10 @@ class EngineConfig:
     # KV cache sizing: when either is set, max_num_seqs is lowered to the slots that fit (see engine.kv_sizing).
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
+    # KV cache element type (--kv-cache-dtype): auto = the model dtype; fp8 / fp8_e4m3 / fp8_e5m2 store fp8 with
+    # per-layer K/V scales, 1.0 unless --calculate-kv-scales sets them from the first forward (kv_quant).
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     disable_log_stats: bool = False
     # LoRA (vLLM's LoRAConfig): adapters resident in the forward's buffers, their maximum rank, and how many
     # stay loaded on the host (None: max_loras), least recently used evicted first.
@@ -129,6 +136,10 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(
                 f"--quantization {self.quantization!r}: expected one of {', '.join(QUANTIZATION_METHODS)}."
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}."
             )
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}.")

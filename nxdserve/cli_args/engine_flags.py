@@ -6,7 +6,7 @@ import argparse
 
 from nxdserve.cli_args.registry import ServeParser
 from nxdserve.cli_args.types import json_object, json_value, nullable_int, nullable_str, size
-from nxdserve.config import QUANTIZATION_METHODS
+from nxdserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 BOOL = argparse.BooleanOptionalAction
 NO_REMOTE = "nxdserve never downloads and runs no model code from the hub"
@@ -135,13 +135,17 @@ def add_cache_flags(p: ServeParser) -> None:
     g.add("--kv-cache-memory-bytes", type=nullable_int, default=None,
           note="KV cache size in bytes (4G = 4 GiB); overrides --gpu-memory-utilization; sizes the slots")
     g.no_effect("--swap-space", type=float, default=None, note="no KV swapping: preempted requests recompute")
-    g.not_yet("--kv-cache-dtype", default="auto", note="A quantized KV cache is tracked in its own issue; use auto.")
+    g.add("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+          note="KV cache element type: auto = the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store K/V in one byte "
+          "with per-layer scales (more slots or longer contexts in the same KV space); torch and nxd backends")
     g.no_effect("--num-gpu-blocks-override", type=int, default=None, note=CACHE_LAYOUT)
     g.add("--enable-prefix-caching", action=BOOL, default=False,
           note="a new prompt reuses the KV a free slot still holds for its first tokens (off by default, unlike vLLM)")
     g.no_effect("--prefix-caching-hash-algo", default="sha256", note="prefixes are matched by tokens, not hashes")
     g.no_effect("--cpu-offload-gb", type=float, default=0, note="weights stay on the device")
-    g.no_effect("--calculate-kv-scales", action=BOOL, default=False, note="the KV cache is in the model dtype")
+    g.add("--calculate-kv-scales", action=BOOL, default=False,
+          note="with an fp8 --kv-cache-dtype: each layer's K/V scales from the first forward's amax "
+          "(/200 for K, /100 for V, as vLLM) instead of 1.0; torch backend")
     g.no_effect("--kv-sharing-fast-prefill", action=BOOL, default=False, note=CACHE_LAYOUT)
     g.no_effect("--mamba-cache-dtype", default="auto", note="no Mamba models here")
     g.no_effect("--mamba-ssm-cache-dtype", default="auto", note="no Mamba models here")

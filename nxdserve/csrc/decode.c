@@ -479,9 +479,9 @@ static void df_attend_one(const uint16_t* qr, const uint16_t* kb, const uint16_t
     else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
     else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
     else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
-    else if (D == 64) item_bf16_64(qr, D, kl, vl, n, G, D, scale, sc, o);
-    else if (D == 128) item_bf16_128(qr, D, kl, vl, n, G, D, scale, sc, o);
-    else item_bf16_any(qr, D, kl, vl, n, G, D, scale, sc, o);
+    else if (D == 64) item_bf16_64(qr, D, kl, vl, n, G, D, scale, sc, o, 1.f);
+    else if (D == 128) item_bf16_128(qr, D, kl, vl, n, G, D, scale, sc, o, 1.f);
+    else item_bf16_any(qr, D, kl, vl, n, G, D, scale, sc, o, 1.f);
 }
 
 int64_t decode_forward_scratch(int64_t G, int64_t maxctx) {

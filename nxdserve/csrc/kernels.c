@@ -48,6 +48,7 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_attention_args, head_dim), NXD_FIELD(nxd_attention_args, window),
     NXD_FIELD(nxd_attention_args, out), NXD_FIELD(nxd_attention_args, o_st),
     NXD_FIELD(nxd_attention_args, scale), NXD_FIELD(nxd_attention_args, nthreads),
+    NXD_FIELD(nxd_attention_args, kv_fp8), NXD_FIELD(nxd_attention_args, v_scale),
 
     NXD_SIZE(nxd_gemm_args),
     NXD_FIELD(nxd_gemm_args, x), NXD_FIELD(nxd_gemm_args, M), NXD_FIELD(nxd_gemm_args, K),

@@ -40,10 +40,15 @@ typedef struct nxd_attention_args {
     int64_t o_st;
     float scale;
     int32_t nthreads;
+    int32_t kv_fp8;  /* fp8 caches: 1 = e4m3fn, 2 = e5m2 (0 for the model-dtype kernels) */
+    float v_scale;   /* fp8 caches: V's scale, applied to the output (K's is folded into scale) */
 } nxd_attention_args;
 
 void slot_attention_bf16(const nxd_attention_args* a);
 void slot_attention_f32(const nxd_attention_args* a);
+/* An fp8 KV cache (uint8 codes): k and v are the new tokens' codes (already cast), written as bytes. */
+void slot_attention_fp8_bf16(const nxd_attention_args* a);
+void slot_attention_fp8_f32(const nxd_attention_args* a);
 
 /* ---- elementwise.c: layer ops and argmax ------------------------------------------------------------------ */
 void add_rmsnorm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, uint16_t* sum,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nxdserve.config import EngineConfig
+from nxdserve.config import KV_CACHE_DTYPES, EngineConfig
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,13 @@ _GIB = 2**30
 class KVBudget:
     bytes: int
     source: str  # what set it, for the log line and errors
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes one cached K or V element takes: 1 for an fp8 ``--kv-cache-dtype``, else the model dtype's."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}.")
+    return model_dtype_bytes if kv_cache_dtype == "auto" else 1
 
 
 def kv_bytes_per_slot(hf_config: Any, max_model_len: int, dtype_bytes: int) -> int:
@@ -67,7 +74,7 @@ def kv_budget(config: EngineConfig, device_type: str, model_path: Path) -> KVBud
                     f"{total / _GIB:.1f} GiB less {weights / _GIB:.2f} GiB of weights")  # fmt: skip
 
 
-def fit_slots(config: EngineConfig, budget: KVBudget, per_slot: int) -> int:
+def fit_slots(config: EngineConfig, budget: KVBudget, per_slot: int, kv_cache_dtype: str = "auto") -> int:
     """Lower config.max_num_seqs to the slots ``budget`` holds; ConfigError when not even one fits."""
     assert config.max_model_len is not None
     fits = budget.bytes // per_slot
@@ -79,8 +86,8 @@ def fit_slots(config: EngineConfig, budget: KVBudget, per_slot: int) -> int:
         )
     slots = min(fits, config.max_num_seqs)
     logger.info(
-        "KV cache: %s fits %d sequences of %d tokens (%.1f MiB each); serving %d at once%s",
-        budget.source, fits, config.max_model_len, per_slot / 2**20, slots,
+        "KV cache (%s): %s fits %d sequences of %d tokens (%.1f MiB each); serving %d at once%s",
+        kv_cache_dtype, budget.source, fits, config.max_model_len, per_slot / 2**20, slots,
         f" (max_num_seqs lowered from {config.max_num_seqs})" if slots < config.max_num_seqs else " (max_num_seqs)",
     )  # fmt: skip
     config.max_num_seqs = slots

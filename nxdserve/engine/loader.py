@@ -114,7 +114,7 @@ def default_chunked_budget(config: EngineConfig) -> int:
 def size_kv_cache(config: EngineConfig, files: ModelFiles) -> None:
     """Lower max_num_seqs to the KV slots that fit the space the flags give (engine.kv_sizing)."""
     from nxdserve.engine.backends import nxd_status
-    from nxdserve.engine.kv_sizing import fit_slots, kv_budget, kv_bytes_per_slot
+    from nxdserve.engine.kv_sizing import fit_slots, kv_budget, kv_bytes_per_slot, kv_element_bytes
 
     asked = config.gpu_memory_utilization is not None or config.kv_cache_memory_bytes is not None
     if config.backend == "nxd" or (config.backend == "auto" and nxd_status()[0]):
@@ -129,8 +129,9 @@ def size_kv_cache(config: EngineConfig, files: ModelFiles) -> None:
     if budget is None:
         return
     assert config.max_model_len is not None
-    dtype_bytes = resolve_dtype(config.dtype, device).itemsize
-    fit_slots(config, budget, kv_bytes_per_slot(files.hf_config, config.max_model_len, dtype_bytes))
+    dtype_bytes = kv_element_bytes(config.kv_cache_dtype, resolve_dtype(config.dtype, device).itemsize)
+    fit_slots(config, budget, kv_bytes_per_slot(files.hf_config, config.max_model_len, dtype_bytes),
+              kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
 
 
 def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[Any, ModelFiles]:

@@ -102,6 +102,8 @@ STARTS = [
     "--override-neuron-config '{\"enable_bucketing\": false}'",
     # 17. docs.vllm.ai, Features > LoRA adapters (serving section)
     "vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/tmp/sql-lora",
+    # 16. docs.vllm.ai, Features > Quantization > Quantized KV cache ("--kv-cache-dtype fp8")
+    "vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8",
     # 20. docs.vllm.ai, Features > Multimodal inputs (online serving): "--limit-mm-per-prompt '{\"image\": 2}'"
     "vllm serve Qwen/Qwen2.5-VL-3B-Instruct --limit-mm-per-prompt '{\"image\": 2}'",
     # docs.vllm.ai, Features > Quantization > FP8 W8A8 (issue 29: weight-only fp8 online on the torch backend)
@@ -151,6 +153,8 @@ def test_plans_hold_what_the_lines_say(hub_cache: Path) -> None:
     cfg, _, _ = plan(STARTS[13])
     assert cfg.enable_lora and (cfg.max_loras, cfg.max_lora_rank) == (1, 16)
     assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in cfg.lora_modules] == [("sql-lora", 1, "/tmp/sql-lora")]
+    cfg, _, infos = plan(STARTS[14])
+    assert (cfg.kv_cache_dtype, cfg.calculate_kv_scales, infos) == ("fp8", False, [])
 
 
 # Lines that must fail at once: (command, words the message must hold).
@@ -159,8 +163,6 @@ FAILS = [
     #     --pipeline-parallel-size 2"
     ("vllm serve gpt2 --tensor-parallel-size 4 --pipeline-parallel-size 2",
      ["--pipeline-parallel-size 2", "--tensor-parallel-size"]),
-    # 16. docs.vllm.ai, Features > Quantization > Quantized KV cache ("--kv-cache-dtype fp8")
-    ("vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8", ["--kv-cache-dtype 'fp8'", "use auto"]),
     # 18. Mistral model cards on Hugging Face: "--tokenizer_mode mistral --config_format mistral --load_format mistral"
     ("vllm serve mistralai/Mistral-7B-Instruct-v0.3 --tokenizer_mode mistral --config_format mistral "
      "--load_format mistral", ["--tokenizer-mode 'mistral'", "drop the flag"]),

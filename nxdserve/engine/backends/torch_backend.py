@@ -100,10 +100,14 @@ class TorchBackend(Backend):
             raise ConfigError("--enable-lora is not supported with Mllama (cross-attention) models yet.")
         if self.vlm is None:
             self.runner = SlotModelRunner.from_pretrained(
-                model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device
-            )
+                model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device,
+                kv_cache_dtype=config.kv_cache_dtype, calculate_kv_scales=config.calculate_kv_scales,
+            )  # fmt: skip
         else:
-            self.runner = SlotModelRunner(self.vlm.text, config.max_num_seqs, config.max_model_len)
+            self.runner = SlotModelRunner(
+                self.vlm.text, config.max_num_seqs, config.max_model_len,
+                kv_cache_dtype=config.kv_cache_dtype, calculate_kv_scales=config.calculate_kv_scales,
+            )  # fmt: skip
         self.image_encode_s = 0.0  # seconds spent in the vision encoder (benchmarks read it)
         self.model = self.runner.model
         if config.quantization is not None:
@@ -112,13 +116,14 @@ class TorchBackend(Backend):
             quantize_model(self.model, config.quantization, _gguf_file(config), checkpoint=model_path)
             logger.info("weights: --quantization %s", config.quantization)
         logger.info(
-            "torch backend: %s on %s in %s, %d slots x %d positions (KV cache %.0f MiB), loaded in %.1f s",
+            "torch backend: %s on %s in %s, %d slots x %d positions (KV cache %.0f MiB in %s), loaded in %.1f s",
             self.model.spec.model_type,
             self.device,
             str(self.dtype).removeprefix("torch."),
             config.max_num_seqs,
             config.max_model_len,
             self.runner.kv_cache.nbytes / 2**20,
+            str(self.runner.kv_cache.data.dtype).removeprefix("torch."),
             time.perf_counter() - started,
         )
         if sampler is None:

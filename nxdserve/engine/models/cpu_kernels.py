@@ -214,7 +214,7 @@ class AttentionArgs(ctypes.Structure):
         *_fields("v", _p), *_fields("v_st v_sh", _i64), *_fields("k_cache v_cache", _p),
         *_fields("c_ss c_sh", _i64), *_fields("slots pos", _p), *_fields("ntok", _i64), *_fields("sel", _p),
         *_fields("nsel hkv group head_dim window", _i64), *_fields("out", _p), *_fields("o_st", _i64),
-        ("scale", _f32), ("nthreads", _i32),
+        ("scale", _f32), ("nthreads", _i32), ("kv_fp8", _i32), ("v_scale", _f32),
     ]  # fmt: skip
 
 
@@ -279,6 +279,7 @@ def check_layouts(lib: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]] |
 
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "slot_attention": ([ctypes.POINTER(AttentionArgs)], None),
+    "slot_attention_fp8": ([ctypes.POINTER(AttentionArgs)], None),
     "add_rmsnorm": ([_p, _p, _p, _f32, _p, _p, _i64, _i64, ctypes.c_int], None),
     "rope": ([_p, _i64, _i64, _i64, _i64, _p, _p, ctypes.c_int], None),
     "silu_mul": ([_p, _p, _i64, _i64, ctypes.c_int], None),
@@ -463,7 +464,53 @@ def slot_attention(
         v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), positions.data_ptr(), num_tokens,
         None if select is None else select.data_ptr(), num_select, num_kv_heads, num_heads // num_kv_heads,
-        head_dim, window or 0, out.data_ptr(), out.stride(0), head_dim**-0.5, torch.get_num_threads(),
+        head_dim, window or 0, out.data_ptr(), out.stride(0), head_dim**-0.5, torch.get_num_threads(), 0, 1.0,
+    )  # fmt: skip
+    fn(ctypes.byref(args))
+
+
+def supports_fp8(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the fp8-cache kernel can attend (``slot_attention_fp8``): as ``supports``, with an fp8 cache."""
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or q.device.type != "cpu":
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float32) or (torch.is_grad_enabled() and q.requires_grad):
+        return False
+    return q.shape[1] // k_cache.shape[1] <= MAX_GROUP and q.shape[2] <= MAX_HEAD_DIM and available()
+
+
+def slot_attention_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    select: torch.Tensor | None,
+    num_select: int,
+    window: int | None,
+    k_scale: float,
+    v_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``slot_attention`` over an fp8 cache (S, Hkv, L, D): writes the codes k/v (T, Hkv, D), already cast to the
+    cache's dtype (``kv_quant.quantize``), at (slots, positions), then attends the selected tokens' q into ``out``,
+    reading one byte per cached element. Cached values are ``code * k_scale`` / ``code * v_scale``."""
+    lib = _library()
+    assert lib is not None
+    fn = lib.slot_attention_fp8_bf16 if q.dtype == torch.bfloat16 else lib.slot_attention_fp8_f32
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(1) == 1
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    args = AttentionArgs(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), positions.data_ptr(), num_tokens,
+        None if select is None else select.data_ptr(), num_select, num_kv_heads, num_heads // num_kv_heads,
+        head_dim, window or 0, out.data_ptr(), out.stride(0), k_scale * head_dim**-0.5, torch.get_num_threads(),
+        1 if k_cache.dtype == torch.float8_e4m3fn else 2, v_scale,
     )  # fmt: skip
     fn(ctypes.byref(args))
 

@@ -94,6 +94,8 @@ class FusedDecode:
             # The C code trusts its indices: rows outside this cache take the checked torch path.
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
+            # The C forward reads and writes K/V in bf16: an fp8 cache takes the layer path (kv_quant).
+            and not kv_cache.quantized
             and meta.use_kernel
             # The C forward has no LoRA: a step with an adapter row takes the layer-by-layer path.
             and meta.lora is None

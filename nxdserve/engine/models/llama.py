@@ -143,11 +143,13 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         alts = meta.alts
-        if alts is None:
-            return slot_attention(q, k, v, k_cache, v_cache, meta, self.window)
         n = meta.num_tokens  # the rows' tokens; the alternatives follow them
-        rows = slot_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, self.window)
-        extra = alternatives_attention(q[n:], k[n:], v[n:], k_cache, v_cache, alts, self.window)
+        # An fp8 cache's scales for this layer (set here by the first forward with --calculate-kv-scales).
+        scales = None if meta.kv_scales is None else meta.kv_scales.for_layer(self.index, k[:n], v[:n])
+        if alts is None:
+            return slot_attention(q, k, v, k_cache, v_cache, meta, self.window, scales)
+        rows = slot_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, self.window, scales)
+        extra = alternatives_attention(q[n:], k[n:], v[n:], k_cache, v_cache, alts, self.window, scales)
         assert alts.kv is not None
         alts.kv[self.index, :, 0] = k[n:]
         alts.kv[self.index, :, 1] = v[n:]
@@ -246,9 +248,15 @@ class LlamaFamilyModel(nn.Module):
     def vocab_size(self) -> int:
         return int(self.lm_head_weight.shape[0])
 
-    def new_kv_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
+    def new_kv_cache(
+        self, num_slots: int, max_len: int, storage: torch.dtype | None = None, calculate_scales: bool = False
+    ) -> SlotKVCache:
+        """``storage``: an fp8 dtype for a quantized cache (``kv_quant``); None: the model dtype."""
         s = self.spec
-        return SlotKVCache(s.num_layers, num_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device)
+        return SlotKVCache(
+            s.num_layers, num_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device,
+            storage=storage, calculate_scales=calculate_scales,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def forward(
@@ -271,6 +279,7 @@ class LlamaFamilyModel(nn.Module):
         alts = meta.alts
         if keep is not None and alts is not None:
             raise ValueError("keep cannot be combined with draft alternatives")
+        meta.kv_scales = kv_cache.scales
         if alts is not None:
             s = self.spec
             alts.kv = torch.empty(

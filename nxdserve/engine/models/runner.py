@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from nxdserve.engine.models import kv_quant
 from nxdserve.engine.models.attention import (
     DEFAULT_BATCHED_QUERY_LIMIT,
     AttentionMetadata,
@@ -33,23 +34,35 @@ class SlotModelRunner:
         max_len: int,
         *,
         batched_query_limit: int = DEFAULT_BATCHED_QUERY_LIMIT,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ) -> None:
+        """``kv_cache_dtype``: ``--kv-cache-dtype`` (auto | fp8 | fp8_e4m3 | fp8_e5m2; see ``kv_quant``)."""
         if max_len > model.max_len:
             raise ValueError(f"max_len={max_len} exceeds the model's RoPE table ({model.max_len}).")
         self.model = model
         self.num_slots = num_slots
         self.max_len = max_len
         self.batched_query_limit = batched_query_limit
-        self.kv_cache: SlotKVCache = model.new_kv_cache(num_slots, max_len)
+        storage = kv_quant.storage_dtype(kv_cache_dtype, model.dtype)
+        self.kv_cache: SlotKVCache = model.new_kv_cache(num_slots, max_len, storage, calculate_kv_scales)
         self.device = model.device
         spec = model.spec
         self._num_query_groups = spec.num_heads // spec.num_kv_heads
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+        cls,
+        path: str | Path,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ) -> SlotModelRunner:
-        return cls(LlamaFamilyModel.from_pretrained(path, dtype, device, max_len=max_len), num_slots, max_len)
+        model = LlamaFamilyModel.from_pretrained(path, dtype, device, max_len=max_len)
+        return cls(model, num_slots, max_len, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
 
     def metadata(
         self,

@@ -128,6 +128,7 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """embeds (T, H) of tokens t+1, features (T, H) at t -> predicted next features (T, H)."""
         x = linear(torch.cat((embeds, features), dim=-1), self.fc_weight, self.fc_bias)
+        meta.kv_scales = kv_cache.scales  # the head's own cache (model dtype), not the target's
         if self.fused.accepts(x, meta, kv_cache):
             return self.fused.run(x.contiguous(), meta, kv_cache)
         cos, sin = self.rope.gather(meta.positions)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -79,6 +80,10 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
         from neuronx_distributed_inference.modules.lora_serving import LoraServingConfig
 
         kwargs = {**kwargs, "lora_config": LoraServingConfig(**kwargs["lora_config"])}
+    if kwargs.get("kv_cache_quant"):
+        # What NxD's own inference_demo sets for an fp8 KV cache (the compiler's fp8 casts).
+        os.environ.setdefault("XLA_HANDLE_SPECIAL_SCALAR", "1")
+        os.environ.setdefault("UNSAFE_FP8FNCAST", "1")
     neuron_config = cls.get_neuron_config_cls()(**kwargs)
     inference_config = cls.get_config_cls()(neuron_config, load_config=load_pretrained_config(str(model_path)))
     if getattr(neuron_config, "enable_fused_speculation", False):

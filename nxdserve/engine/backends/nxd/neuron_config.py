@@ -80,6 +80,7 @@ def default_neuron_config(config: EngineConfig, model_path: Path | None = None) 
         kwargs.update(quantization_neuron_config(config, model_path))
     if config.enable_lora:
         kwargs["lora_config"] = lora_serving_config(config)
+    kwargs.update(kv_cache_quant_config(config))
     spec = config.speculative_config
     if spec and spec.get("method") in FUSED_METHODS:
         method = spec["method"]
@@ -119,6 +120,31 @@ def quantization_neuron_config(config: EngineConfig, model_path: Path | None) ->
         "quantization_dtype": dtype,
         "modules_to_not_convert": ["lm_head"],
     }
+
+
+# --kv-cache-dtype -> KVQuantizationConfig.quant_dtype (neuronx_distributed.quantization.quantization_config).
+KV_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_cache_quant_config(config: EngineConfig) -> dict[str, Any]:
+    """NeuronConfig keywords for an fp8 ``--kv-cache-dtype``: ``kv_cache_quant`` (NxD's fp8 compiler switch) and
+    ``kv_quant_config`` (read by KVCacheManager: ``quant_dtype`` is the cache's dtype; ``direct_cast`` stores
+    ``x.to(quant_dtype)``, i.e. scale 1.0, vLLM's default). Empty for ``auto``. NxD has no calibration pass (its
+    non-direct-cast scales are static buffers), so ``--calculate-kv-scales`` is refused."""
+    if config.kv_cache_dtype == "auto":
+        return {}
+    if config.kv_cache_dtype not in KV_QUANT_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {config.kv_cache_dtype!r}: the nxd backend maps fp8, fp8_e4m3, fp8_e5m2.")
+    if config.calculate_kv_scales:
+        raise ConfigError(
+            "--calculate-kv-scales: NxD Inference has no calibration pass (its KV scales are static buffers of "
+            "the compiled model, 1.0 unless a checkpoint gives them); drop the flag on the nxd backend or use "
+            "--backend torch. See docs/neuron.md."
+        )
+    import torch  # NxD's KVQuantizationConfig takes a torch dtype
+
+    quant_dtype = getattr(torch, KV_QUANT_DTYPES[config.kv_cache_dtype])
+    return {"kv_cache_quant": True, "kv_quant_config": {"quant_dtype": quant_dtype, "direct_cast": True}}
 
 
 def lora_serving_config(config: EngineConfig) -> dict[str, Any]:

@@ -67,6 +67,20 @@ class ChunkedPrefillConfig:
         self.kernel_kv_tile_size = kwargs.pop("kernel_kv_tile_size", 1024)
 
 
+class KVQuantizationConfig:
+    """neuronx_distributed.quantization.quantization_config.KVQuantizationConfig: the KV cache's dtype and how
+    values get there (``direct_cast``: a plain cast; otherwise per-layer scale buffers, initialised to 1.0)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.quant_dtype = kwargs.pop("quant_dtype", torch.float8_e4m3fn)
+        if isinstance(self.quant_dtype, str):  # as neuron_config.json stores it
+            self.quant_dtype = getattr(torch, self.quant_dtype)
+        self.k_quant_method = kwargs.pop("k_quant_method", "per_tensor_symmetric")
+        self.v_quant_method = kwargs.pop("v_quant_method", "per_tensor_symmetric")
+        self.direct_cast = kwargs.pop("direct_cast", True)
+        assert not kwargs, f"KVQuantizationConfig: unexpected {sorted(kwargs)}"
+
+
 class NeuronConfig:
     def __init__(self, **kwargs: Any) -> None:
         self.batch_size = kwargs.pop("batch_size", 1)
@@ -171,6 +185,10 @@ class NeuronConfig:
             raise NotImplementedError(
                 f"emulator: {self.quantization_type} {self.quantization_dtype} quantization is not emulated"
             )
+        self.kv_cache_quant = kwargs.pop("kv_cache_quant", False)
+        self.kv_quant_config = kwargs.pop("kv_quant_config", None)
+        if type(self.kv_quant_config) is dict:
+            self.kv_quant_config = KVQuantizationConfig(**self.kv_quant_config)
 
         self.fused_qkv = kwargs.pop("fused_qkv", False)  # asserted on by Qwen2-VL's vision config
         self.tp_degree = kwargs.pop("tp_degree", 1)

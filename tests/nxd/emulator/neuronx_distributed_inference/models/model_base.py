@@ -387,4 +387,20 @@ def _lora_stack(cfg: Any, runner: SlotModelRunner) -> LoraStack:
 def _runner(path: str, nc: NeuronConfig, lines: int, max_len: int | None = None) -> SlotModelRunner:
     max_len = max_len or nc.max_length
     model = LlamaFamilyModel.from_pretrained(path, nc.torch_dtype, torch.device("cpu"), max_len=max_len)
-    return SlotModelRunner(model, lines, max_len)
+    return SlotModelRunner(model, lines, max_len, kv_cache_dtype=_kv_cache_dtype(nc))
+
+
+# KVCacheManager's cache dtype (kv_quant_config.quant_dtype) as the reference runner's --kv-cache-dtype.
+_KV_QUANT_DTYPES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def _kv_cache_dtype(nc: NeuronConfig) -> str:
+    """NxD stores ``x.to(quant_dtype)`` with ``direct_cast``, and ``x / scale`` with per-layer scale buffers
+    that start at 1.0 otherwise: both are the runner's fp8 cache at scale 1.0. Scales loaded from a checkpoint,
+    and non-fp8 quant dtypes, are not modelled."""
+    kv = nc.kv_quant_config
+    if kv is None:
+        return "auto"
+    if kv.quant_dtype not in _KV_QUANT_DTYPES:
+        raise NotImplementedError(f"the emulator stores KV in fp8 only, not {kv.quant_dtype}")
+    return _KV_QUANT_DTYPES[kv.quant_dtype]
