@@ -455,18 +455,39 @@ def slot_attention(
     lib = _library()
     assert lib is not None
     fn = lib.slot_attention_bf16 if q.dtype == torch.bfloat16 else lib.slot_attention_f32
+    args = _attention_args(q, k, v, k_cache, v_cache, slots, positions, select, num_select, window, out, 1.0, 0, 1.0)
+    fn(ctypes.byref(args))
+
+
+def _attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    select: torch.Tensor | None,
+    num_select: int,
+    window: int | None,
+    out: torch.Tensor,
+    k_scale: float,
+    kv_fp8: int,
+    v_scale: float,
+) -> AttentionArgs:
+    """The args struct of both slot-attention kernels; ``kv_fp8``: 0 (cache in q's dtype), 1 (e4m3), 2 (e5m2)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(1) == 1
-    args = AttentionArgs(
+    return AttentionArgs(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), positions.data_ptr(), num_tokens,
         None if select is None else select.data_ptr(), num_select, num_kv_heads, num_heads // num_kv_heads,
-        head_dim, window or 0, out.data_ptr(), out.stride(0), head_dim**-0.5, torch.get_num_threads(), 0, 1.0,
+        head_dim, window or 0, out.data_ptr(), out.stride(0), k_scale * head_dim**-0.5, torch.get_num_threads(),
+        kv_fp8, v_scale,
     )  # fmt: skip
-    fn(ctypes.byref(args))
 
 
 def supports_fp8(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -499,19 +520,11 @@ def slot_attention_fp8(
     lib = _library()
     assert lib is not None
     fn = lib.slot_attention_fp8_bf16 if q.dtype == torch.bfloat16 else lib.slot_attention_fp8_f32
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and out.stride(1) == 1
     assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-    args = AttentionArgs(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-        v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), positions.data_ptr(), num_tokens,
-        None if select is None else select.data_ptr(), num_select, num_kv_heads, num_heads // num_kv_heads,
-        head_dim, window or 0, out.data_ptr(), out.stride(0), k_scale * head_dim**-0.5, torch.get_num_threads(),
-        1 if k_cache.dtype == torch.float8_e4m3fn else 2, v_scale,
-    )  # fmt: skip
+    kv_fp8 = 1 if k_cache.dtype == torch.float8_e4m3fn else 2
+    args = _attention_args(
+        q, k, v, k_cache, v_cache, slots, positions, select, num_select, window, out, k_scale, kv_fp8, v_scale
+    )
     fn(ctypes.byref(args))
 
 
