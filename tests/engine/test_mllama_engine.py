@@ -19,9 +19,8 @@ from nxdserve.engine.outputs import RequestOutput
 from nxdserve.errors import InvalidRequestError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.helpers.tiny_model import single_torch_thread
-from tests.helpers.tiny_vlm import random_image, tiny_mllama_path
+from tests.helpers.tiny_vlm import NEW_TOKENS, random_image, run, tiny_mllama_path, tokens
 
-NEW_TOKENS = 8
 TEXTS = {
     0: "Say something about it.",
     1: "Look at this: <|image|> and describe it.",
@@ -124,35 +123,6 @@ def shared_core(mode: str) -> EngineCore:
     if mode == "small-chunks":  # 3-token chunks: the image token and the text around it land in different steps
         return make_core(enable_chunked_prefill=True, max_num_batched_tokens=4, long_prefill_token_threshold=3)
     return make_core(enable_chunked_prefill=True)
-
-
-def run(
-    core: EngineCore, prompts: list[tuple[list[int], MultiModalInputs | None]], requests: list[Any] | None = None
-) -> list[RequestOutput]:
-    """Every prompt at once, greedy, to the end; ``requests`` collects the engine's Request objects."""
-    ids = []
-    for token_ids, mm in prompts:
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        params.output_kind = OutputKind.FINAL_ONLY
-        request = core.make_request(token_ids, params)
-        request.mm_inputs = mm
-        core.add_request(request)
-        ids.append(request.request_id)
-        if requests is not None:
-            requests.append(request)
-    finals: dict[str, RequestOutput] = {}
-    for _ in range(1000):
-        for out in core.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if not core.has_unfinished:
-            break
-    assert not core.has_unfinished
-    return [finals[i] for i in ids]
-
-
-def tokens(out: RequestOutput) -> list[int]:
-    return list(out.outputs[0].token_ids)
 
 
 def test_processor_keeps_one_image_token_per_image() -> None:

@@ -14,13 +14,11 @@ from nxdserve.config import EngineConfig
 from nxdserve.engine.core import EngineCore
 from nxdserve.engine.loader import build_engine_core
 from nxdserve.engine.mm_inputs import ImagePromptProcessor, MultiModalInputs
-from nxdserve.engine.outputs import RequestOutput
 from nxdserve.errors import InvalidRequestError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.helpers.tiny_model import single_torch_thread
-from tests.helpers.tiny_vlm import random_image, tiny_qwen2_vl_path
+from tests.helpers.tiny_vlm import NEW_TOKENS, random_image, run, tiny_qwen2_vl_path, tokens
 
-NEW_TOKENS = 8
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 TEXTS = {
     0: "Say something.",
@@ -89,35 +87,6 @@ def make_core(**overrides: Any) -> EngineCore:
     settings.update(overrides)
     core, _ = build_engine_core(EngineConfig(**settings), with_metrics=False)
     return core
-
-
-def run(
-    core: EngineCore, prompts: list[tuple[list[int], MultiModalInputs | None]], requests: list[Any] | None = None
-) -> list[RequestOutput]:
-    """Every prompt at once, greedy, to the end; ``requests`` collects the engine's Request objects."""
-    ids = []
-    for token_ids, mm in prompts:
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        params.output_kind = OutputKind.FINAL_ONLY
-        request = core.make_request(token_ids, params)
-        request.mm_inputs = mm
-        core.add_request(request)
-        ids.append(request.request_id)
-        if requests is not None:
-            requests.append(request)
-    finals: dict[str, RequestOutput] = {}
-    for _ in range(1000):
-        for out in core.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if not core.has_unfinished:
-            break
-    assert not core.has_unfinished
-    return [finals[i] for i in ids]
-
-
-def tokens(out: RequestOutput) -> list[int]:
-    return list(out.outputs[0].token_ids)
 
 
 def test_processor_expands_placeholders_as_transformers_processor_does() -> None:

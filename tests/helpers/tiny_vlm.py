@@ -18,8 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from nxdserve.engine.core import EngineCore
+from nxdserve.engine.mm_inputs import MultiModalInputs
+from nxdserve.engine.outputs import RequestOutput
+from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.helpers.tiny_model import copy_default_tokenizer
 
+NEW_TOKENS = 8  # what the engine tests of both families generate per request
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 MAX_PIXELS = 112 * 112  # an image takes at most 16 tokens (8x8 patches merged 2x2)
 
@@ -186,3 +191,36 @@ def tiny_mllama_path() -> Path:
     root = Path(tempfile.mkdtemp(prefix="nxdserve-tiny-mllama-"))
     atexit.register(shutil.rmtree, root, True)
     return build_tiny_mllama(root / "mllama")
+
+
+def run(
+    core: EngineCore,
+    prompts: list[tuple[list[int], MultiModalInputs | None]],
+    requests: list[Any] | None = None,
+    new_tokens: int = NEW_TOKENS,
+) -> list[RequestOutput]:
+    """Every prompt (token ids and its images) at once, greedy, ``new_tokens`` each, to the end; ``requests``
+    collects the engine's Request objects."""
+    ids = []
+    for token_ids, mm in prompts:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        params.output_kind = OutputKind.FINAL_ONLY
+        request = core.make_request(token_ids, params)
+        request.mm_inputs = mm
+        core.add_request(request)
+        ids.append(request.request_id)
+        if requests is not None:
+            requests.append(request)
+    finals: dict[str, RequestOutput] = {}
+    for _ in range(1000):
+        for out in core.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not core.has_unfinished:
+            break
+    assert not core.has_unfinished
+    return [finals[i] for i in ids]
+
+
+def tokens(out: RequestOutput) -> list[int]:
+    return list(out.outputs[0].token_ids)
