@@ -32,14 +32,20 @@ class CpuOptions:
     kv_huge_pages: bool = True  # the KV cache in transparent huge pages (Linux)
     thread_governor: bool = True  # a step on all intra-op threads or one, by the machine's load
     bind_threads: bool = True  # the forward's intra-op threads bound one per CPU
+    # Quantized linears: calls of up to this many rows run the C kernel on the codes, more rows a dense copy
+    # expanded once (0: the kernel for every call, no dense copy). Default: the measured crossover (perf_notes.md).
+    quant_dense_rows: int = 8
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_CHOICES:
             raise ConfigError(f"cpu isa must be one of {', '.join(ISA_CHOICES)}; got {self.isa!r}.")
         if self.isa == "amx" and not self.amx:
             raise ConfigError("cpu isa 'amx' asks for the AMX tiles, which amx=False turns off.")
+        rows = self.quant_dense_rows
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise ConfigError(f"cpu option quant_dense_rows must be an int >= 0; got {rows!r}.")
         for f in fields(self):
-            if f.name != "isa" and not isinstance(getattr(self, f.name), bool):
+            if f.name not in ("isa", "quant_dense_rows") and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"cpu option {f.name} must be a bool; got {getattr(self, f.name)!r}.")
 
 
@@ -67,12 +73,20 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         help="build of the C kernels: auto = the best this CPU runs; amx / avx512bf16 / avx2 / neon / generic "
         "force one (an error if the CPU cannot run it); none = torch ops only",
     )
+    group.add_argument(
+        "--cpu-quant-dense-rows",
+        type=int,
+        default=CpuOptions.quant_dense_rows,
+        metavar="N",
+        help="quantized linears: steps of up to N rows run the C kernel on the 4/8-bit codes, larger ones a dense "
+        "copy expanded once from them (0 = the kernel always, no dense copy)",
+    )
     for name, flag, text in _SWITCHES:
         group.add_argument(flag, dest=f"cpu_{name}", action="store_false", help=text)
 
 
 def cpu_options_from_args(args: argparse.Namespace) -> CpuOptions:
-    return CpuOptions(isa=args.cpu_isa, **{name: getattr(args, f"cpu_{name}") for name, _, _ in _SWITCHES})
+    return CpuOptions(isa=args.cpu_isa, quant_dense_rows=args.cpu_quant_dense_rows, **{name: getattr(args, f"cpu_{name}") for name, _, _ in _SWITCHES})
 
 
 def set_openmp_wait_policy() -> None:

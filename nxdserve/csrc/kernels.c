@@ -32,6 +32,7 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
 #include "gemm.c"
 #include "decode.c"
 #include "greedy_head.c"
+#include "qgemm.c"
 
 #define NXD_FIELD(T, F) {#T, #F, (int64_t)offsetof(T, F), (int64_t)sizeof(((T*)0)->F)}
 #define NXD_SIZE(T) {#T, NULL, 0, (int64_t)sizeof(T)}
@@ -78,6 +79,13 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_greedy_head_args, xsb), NXD_FIELD(nxd_greedy_head_args, rowf),
     NXD_FIELD(nxd_greedy_head_args, list_idx), NXD_FIELD(nxd_greedy_head_args, list_hi),
     NXD_FIELD(nxd_greedy_head_args, nthreads),
+
+    NXD_SIZE(nxd_qgemm_args),
+    NXD_FIELD(nxd_qgemm_args, x), NXD_FIELD(nxd_qgemm_args, M), NXD_FIELD(nxd_qgemm_args, K),
+    NXD_FIELD(nxd_qgemm_args, xs), NXD_FIELD(nxd_qgemm_args, w), NXD_FIELD(nxd_qgemm_args, scale),
+    NXD_FIELD(nxd_qgemm_args, offset), NXD_FIELD(nxd_qgemm_args, res), NXD_FIELD(nxd_qgemm_args, rs),
+    NXD_FIELD(nxd_qgemm_args, N), NXD_FIELD(nxd_qgemm_args, out), NXD_FIELD(nxd_qgemm_args, os),
+    NXD_FIELD(nxd_qgemm_args, format), NXD_FIELD(nxd_qgemm_args, nthreads),
 };
 
 const nxd_field_layout* nxd_struct_layouts(int64_t* count) {

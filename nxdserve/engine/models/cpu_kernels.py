@@ -242,8 +242,16 @@ class GreedyHeadArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class QgemmArgs(ctypes.Structure):
+    _fields_ = [
+        *_fields("x", _p), *_fields("M K xs", _i64), *_fields("w scale offset res", _p), *_fields("rs N", _i64),
+        *_fields("out", _p), *_fields("os", _i64), ("format", _i32), ("nthreads", _i32),
+    ]  # fmt: skip
+
+
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "nxd_attention_args": AttentionArgs,
+    "nxd_qgemm_args": QgemmArgs,
     "nxd_gemm_args": GemmArgs,
     "nxd_decode_args": DecodeArgs,
     "nxd_greedy_head_args": GreedyHeadArgs,
@@ -319,6 +327,7 @@ def load(path: Path) -> ctypes.CDLL:
             for name, (argtypes, restype) in functions.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, restype
+    lib.qgemm_f32.argtypes, lib.qgemm_f32.restype = [ctypes.POINTER(QgemmArgs)], None
     lib.omp_bind_team.argtypes = [ctypes.c_int, _p, ctypes.c_int, ctypes.c_int]
     lib.omp_bind_team.restype = ctypes.c_int
     lib.gemm_amx.restype = ctypes.c_int
@@ -599,3 +608,40 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             flat.data_ptr(), flat.shape[0], flat.shape[1], flat.stride(0), out.data_ptr(), torch.get_num_threads()
         )
     return out.reshape(x.shape[:-1])
+
+
+# -- quantized-weight GEMM for a few rows (csrc/qgemm.c) ------------------------------------------------------------
+QGEMM_FORMATS = {"q4": 0, "q8": 1, "fp8": 2}
+QGEMM_BLOCK = 32
+
+
+def qgemm(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    fmt: str,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x (M, K) @ W^T [+ residual]`` in fp32 for a quantized W (``csrc/qgemm.c``), K a multiple of 32.
+    ``fmt`` "q4": codes uint8 (N, K/2) in GGUF's nibble order, scale and offset fp32 (N, K/32); "q8": codes
+    int8 (N, K), scale (N, K/32); "fp8": codes float8_e4m3fn (N, K), scale (N,). x fp32 with contiguous rows;
+    residual fp32 (M, N) with contiguous rows. Callers check ``available()``."""
+    lib = _library()
+    assert lib is not None
+    rows, k = x.shape
+    n = codes.shape[0]
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and k % QGEMM_BLOCK == 0 and codes.is_contiguous()
+    assert codes.shape[1] * (2 if fmt == "q4" else 1) == k and scale.dtype == torch.float32 and scale.is_contiguous()
+    assert (offset is not None) == (fmt == "q4")
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if residual is not None:
+        assert residual.dtype == torch.float32 and residual.shape == (rows, n) and residual.stride(1) == 1
+    args = QgemmArgs(
+        x.data_ptr(), rows, k, x.stride(0), codes.data_ptr(), scale.data_ptr(),
+        None if offset is None else offset.data_ptr(), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), n, out.data_ptr(), out.stride(0), QGEMM_FORMATS[fmt],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    lib.qgemm_f32(ctypes.byref(args))
+    return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import cpu_kernels, fused_decode, gemm, greedy_head, huge_pages, linear
+from nxdserve.engine.models import cpu_kernels, fused_decode, gemm, greedy_head, huge_pages, linear, quant
 
 
 def apply(options: CpuOptions) -> str:
@@ -16,4 +16,5 @@ def apply(options: CpuOptions) -> str:
     greedy_head.enabled = options.greedy_head
     linear.enabled = options.packed_linear
     huge_pages.enabled = options.kv_huge_pages
+    quant.dense_rows = options.quant_dense_rows
     return path

@@ -82,9 +82,11 @@ def linear(
     through ``gemm`` or the packed oneDNN weight when there is no autograd to record; a quantized weight
     (``quant.QuantLinear``) through its own kernel."""
     if isinstance(weight, QuantLinear):
-        out = weight(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], weight.out_features)
-        if bias is not None:
-            out = out + bias
+        x2 = x.reshape(-1, x.shape[-1])
+        if bias is None:  # the residual added inside the kernel's store where it can
+            res2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
+            return weight(x2, res2).view(*x.shape[:-1], weight.out_features)
+        out = weight(x2).view(*x.shape[:-1], weight.out_features) + bias
         return out if residual is None else out + residual
     if not enabled or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         out = F.linear(x, weight, bias)

@@ -19,6 +19,7 @@ activations in bf16 and the output is cast back to the model's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,19 +35,31 @@ KERNEL_DTYPE = torch.bfloat16  # the activations PyTorch's weight-only kernels g
 # the reference the tests compare against; slower on AVX2).
 kernel_dtype: torch.dtype | None = KERNEL_DTYPE
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+# Calls of up to this many rows run the C kernel on the codes; more rows a dense copy (0: the kernel always).
+# Set from CpuOptions.quant_dense_rows; the default is the measured crossover (perf_notes.md).
+DENSE_ROWS = 8
+dense_rows = DENSE_ROWS
 
 
 @dataclass(eq=False)
 class QuantLinear:
-    """A quantized (out_features, in_features) weight and the call that multiplies by it."""
+    """A quantized (out_features, in_features) weight and the call that multiplies by it.
 
-    kind: str  # "int8" | "int4" | "fp8" | "q8_0" (GGUF's int8 with a scale per 32: gguf_weights.py)
+    Per call the rows decide (``dense_rows``): up to that many rows go to the C kernel (``cpu_kernels.qgemm``,
+    fp32 activations, reading the codes as stored); more rows to a dense copy expanded once from the codes in the
+    activations' dtype (a batched step is bound by FLOPs, where a dense GEMM wins). Without the C kernels
+    (``--cpu-isa none``, no compiler) PyTorch's weight-only ops run, as the module doc says."""
+
+    kind: str  # "int8" | "int4" | "fp8" | "q8_0" (int8 with a scale per group of ``group``: gguf_weights.py)
     out_features: int
     in_features: int
-    data: torch.Tensor  # int8 (N, K) | int4 packed | float8_e4m3fn (N, K)
-    scales: torch.Tensor  # fp32: (N,) for int8/fp8; (K_padded / group, N, 2) scale-and-zero for int4
-    group: int = 0  # int4 only
+    # int8 (N, K) | int4: uint8 (N, K_padded / 2), per 32 columns 16 bytes in GGUF's order (low nibbles are the
+    # first 16 codes, high nibbles the next 16) | float8_e4m3fn (N, K) | q8_0: int8 (N, K)
+    data: torch.Tensor
+    scales: torch.Tensor  # fp32: (N,) for int8/fp8; (N, K_padded / 32) for int4; (N, K / group) for q8_0
+    group: int = 0  # int4: the group the scales were computed over (they are stored per 32); q8_0: its group
     padded_in: int = 0  # int4: K rounded up to a multiple of the group (zero codes beyond in_features)
+    offsets: torch.Tensor | None = None  # int4: (N, K_padded / 32) fp32; w = code * scale + offset
 
     @property
     def shape(self) -> torch.Size:
@@ -54,47 +67,134 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+        """The bytes of the codes and scales (what a small-row call reads), not of the caches made from them."""
+        parts = [self.data, self.scales] + ([] if self.offsets is None else [self.offsets])
+        return sum(t.numel() * t.element_size() for t in parts)
 
-    def _scales(self, dtype: torch.dtype) -> torch.Tensor:
-        # Kept per activation dtype: the kernels want the scales in the activations' dtype.
-        cache = self.__dict__.setdefault("_cast", {})
-        if dtype not in cache:
-            cache[dtype] = self.scales.to(dtype).contiguous()
-        return cache[dtype]
+    def _cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for x (M, K) in fp32 or bf16."""
-        if self.kind in ("fp8", "q8_0"):
-            cache = self.__dict__.setdefault("_dense", {})
-            if x.dtype not in cache:
-                cache[x.dtype] = self.dequantize(x.dtype)
-            return F.linear(x, cache[x.dtype])
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T`` (+ ``residual``, rounded as the eager ``out + residual``) for x (M, K) in fp32 or bf16."""
+        if _kernel_serves(x, x.shape[0]):
+            args = self._kernel_args()
+            if args is not None:
+                return self._kernel_call(x, args, residual)
+        out = self._torch_call(x)
+        return out if residual is None else out + residual
+
+    def _kernel_args(self) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
+        """(format, codes, scales, offsets, padded K) as ``cpu_kernels.qgemm`` reads them, made once; None where
+        no kernel format fits (q8_0 groups that are not multiples of 32)."""
+        return self._cached("kernel", self._make_kernel_args)
+
+    def _make_kernel_args(self) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
+        block = 32
+        if self.kind == "int4":
+            return "q4", self.data, self.scales, self.offsets, self.padded_in
+        if self.kind == "q8_0" and self.group % block:
+            return None
+        padded = -(-self.in_features // block) * block
+        codes = self.data.view(torch.uint8)  # zero bytes beyond K: zero codes in every format
+        if padded != self.in_features:
+            codes = F.pad(codes, (0, padded - self.in_features))
+        if self.kind == "fp8":
+            return "fp8", codes.contiguous(), self.scales.float().contiguous(), None, padded
+        if self.kind == "int8":  # one scale per row: the same for each of its blocks
+            scales = self.scales.float()[:, None].expand(-1, padded // block)
+        else:  # q8_0: each group's scale for each of its blocks
+            scales = self.scales.float().repeat_interleave(self.group // block, dim=1)
+        return "q8", codes.view(torch.int8).contiguous(), scales.contiguous(), None, padded
+
+    def _kernel_call(
+        self,
+        x: torch.Tensor,
+        args: tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, int],
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from nxdserve.engine.models import cpu_kernels
+
+        fmt, codes, scales, offsets, padded = args
+        xf = x.float()
+        if padded != self.in_features:
+            xf = F.pad(xf, (0, padded - self.in_features))
+        elif xf.stride(-1) != 1:
+            xf = xf.contiguous()
+        fused = residual is not None and residual.dtype == torch.float32 and residual.stride(-1) == 1
+        out = cpu_kernels.qgemm(xf, codes, scales, offsets, fmt, residual if fused else None)
+        out = out.to(x.dtype)
+        return out if residual is None or fused else out + residual
+
+    def _torch_call(self, x: torch.Tensor) -> torch.Tensor:
+        """The large-row path (a dense copy) with the kernels, PyTorch's weight-only ops without them."""
+        if _kernels_on() or self.kind in ("fp8", "q8_0"):
+            from nxdserve.engine.models.linear import linear
+
+            return linear(x, self._cached(("dense", x.dtype), lambda: self.dequantize(x.dtype)))
         act = kernel_dtype or x.dtype
         xb = x.to(act).contiguous()
         if self.kind == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(xb, self.data, self._scales(act))
+            scales = self._cached(("scales", act), lambda: self.scales.to(act).contiguous())
+            out = torch.ops.aten._weight_int8pack_mm(xb, self.data, scales)
         else:
             if self.padded_in != self.in_features:
                 xb = F.pad(xb, (0, self.padded_in - self.in_features))
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.data, self.group, self._scales(act))
+            packed, scales_and_zeros = self._cached("int4pack", self._int4pack)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, self.group, scales_and_zeros.to(act))
             if out.shape[1] != self.out_features:  # rows padded to the layout's multiple of 16
                 out = out[:, : self.out_features].contiguous()
         return out.to(x.dtype)
 
+    def codes(self) -> torch.Tensor:
+        """int4: the codes (N, K_padded) as int32 in 0..15."""
+        n = self.out_features
+        blocks = self.data.view(n, -1, 16)
+        return torch.cat((blocks & 0x0F, blocks >> 4), dim=2).view(n, self.padded_in).to(torch.int32)
+
+    def _int4pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """PyTorch's int4 layout of these codes, whose dequantization is ``(q - 8) * scale + zero`` per group:
+        an asymmetric ``q * scale + offset`` maps onto it with ``zero = offset + 8 * scale``."""
+        assert self.offsets is not None
+        n = self.out_features
+        rows = -n // 16 * -16  # the packed layout takes N in multiples of 16: zero rows, sliced off after the call
+        step = self.group // 32  # the stored per-32 scales repeat each group's
+        scale, offset = self.scales[:, ::step], self.offsets[:, ::step]
+        codes, scale, offset = (F.pad(t, (0, 0, 0, rows - n)) for t in (self.codes(), scale, offset))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        zero = offset + 8.0 * scale
+        return packed, torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense (N, K) weight these codes stand for, computed in fp32."""
-        if self.kind == "int8":
-            return (self.data.float() * self.scales[:, None]).to(dtype)
-        if self.kind == "fp8":
+        if self.kind in ("int8", "fp8"):
             return (self.data.float() * self.scales[:, None]).to(dtype)
         if self.kind == "q8_0":
             n, k = self.data.shape
             blocks = self.data.float().view(n, k // self.group, self.group) * self.scales[..., None]
             return blocks.view(n, k).to(dtype)
-        eye = torch.eye(self.padded_in, dtype=torch.float32)
-        dense = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.data, self.group, self.scales.float())
-        return dense.t()[: self.out_features, : self.in_features].contiguous().to(dtype)
+        assert self.offsets is not None
+        n = self.out_features
+        blocks = self.codes().float().view(n, -1, 32) * self.scales[..., None] + self.offsets[..., None]
+        return blocks.view(n, self.padded_in)[:, : self.in_features].contiguous().to(dtype)
+
+
+def _kernels_on() -> bool:
+    from nxdserve.engine.models import cpu_kernels
+
+    return cpu_kernels.available()
+
+
+def _kernel_serves(x: torch.Tensor, rows: int) -> bool:
+    """Whether a call of ``rows`` rows goes to the C kernel: CPU, no autograd, the kernels built, rows within
+    ``dense_rows`` (0: every call)."""
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        return False
+    if dense_rows and rows > dense_rows:
+        return False
+    return x.dtype in (torch.float32, torch.bfloat16) and _kernels_on()
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantLinear:
@@ -130,14 +230,15 @@ def quantize_int4(weight: torch.Tensor, group: int = 64) -> QuantLinear:
 def int4_from_codes(
     codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int, in_features: int
 ) -> QuantLinear:
-    """``w = codes * scale + offset`` per group: codes (N, K_padded) in 0..15; scale, offset (N, K_padded/group)."""
+    """``w = codes * scale + offset`` per group: codes (N, K_padded) in 0..15; scale, offset (N, K_padded/group).
+    Kept as the C kernel reads them: two codes a byte in GGUF's order, the scales repeated per 32 columns."""
     n, padded = codes.shape
-    rows = -n // 16 * -16  # the packed layout takes N in multiples of 16: zero rows, sliced off after the call
-    codes, scale, offset = (F.pad(t, (0, 0, 0, rows - n)) for t in (codes, scale.float(), offset.float()))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    zero = offset + 8.0 * scale
-    scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
-    return QuantLinear("int4", n, in_features, packed, scales_and_zeros, group, padded)
+    if group % 32 or padded % group:
+        raise ValueError(f"4-bit codes: group {group} must be a multiple of 32 dividing {padded} columns")
+    blocks = codes.to(torch.uint8).view(n, padded // 32, 2, 16)
+    data = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, padded // 2).contiguous()
+    scales, offsets = (t.float().repeat_interleave(group // 32, dim=1).contiguous() for t in (scale, offset))
+    return QuantLinear("int4", n, in_features, data, scales, group, padded, offsets)
 
 
 # --quantization names (vLLM's where vLLM has one) -> (kind, group).

@@ -1,0 +1,180 @@
+/* Quantized-weight GEMM for a few rows (part of kernels.c): out (M, N) = x (M, K) @ W^T (+ res), fp32 in and out.
+
+   Decode of one sequence reads every weight once a step, so at small M the time is the weight's bytes: a 4-bit
+   weight is an eighth of fp32's. The codes are widened to fp32 in registers and multiplied by fp32 activations
+   (no activation quantization), so the result is the dense fp32 expansion's to fp32 rounding.
+
+   Formats, all in blocks of 32 along K (K a multiple of 32; the caller pads):
+   - q4 (format 0): per row, per block 16 bytes as GGUF lays them (low nibbles = elements 0-15, high = 16-31),
+     scale[n, b] and offset[n, b] fp32; w = code * scale + offset. Computed as
+     scale * sum(code * x) + offset * sum(x) with the blocks' sums of x taken once per call, so the inner loop is
+     unpack, convert, FMA.
+   - q8 (format 1): int8 codes (N, K), scale[n, b]; w = code * scale.
+   - fp8 (format 2): e4m3fn codes (N, K), one scale per row (scale[n]); w = code * scale.
+   Rows of N are split over the threads; each thread streams its rows' codes once for all M rows (in tiles of up
+   to QT rows of x, whose accumulators stay in registers). */
+
+#define QT 4       /* rows of x per pass over a weight row: 4 accumulators + 4 widened code vectors in registers */
+#define QB 32      /* elements per block */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float q_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 codes of a block as 4 x 8 floats, in element order. */
+static inline void q4_widen(const uint8_t* p, __m256 q[4]) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i*)p);
+    __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void q8_widen(const uint8_t* p, __m256 q[4]) {
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * j))));
+}
+
+/* e4m3fn bits placed as an fp16's (sign at 15, exponent and mantissa from bit 7) read as value / 256 (see
+   attention.c's fp8_row); the caller folds the 256 into the row's scale. */
+static inline void fp8_widen(const uint8_t* p, __m256 q[4]) {
+    for (int j = 0; j < 4; j++) {
+        __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(p + 8 * j)));
+        h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                         _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+        q[j] = _mm256_cvtph_ps(h);
+    }
+}
+
+/* acc[m] (m < MT) = sum over blocks of scale[b] * (codes . x[m]) for one weight row; MT a constant after
+   inlining, so the accumulators live in registers. fp8 has one scale per row: block_scale NULL, applied later. */
+#define DEFINE_ROW_AVX2(NAME, WIDEN, BYTES, SCALED)                                                                \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
+                                                       const float* x, int64_t xs, int64_t nb, int MT,         \
+                                                       float* out) {                                           \
+    __m256 acc[QT];                                                                                            \
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();                                                 \
+    for (int64_t b = 0; b < nb; b++) {                                                                         \
+        __m256 q[4];                                                                                           \
+        WIDEN(wr + b * (BYTES), q);                                                                            \
+        const float* xb = x + b * QB;                                                                          \
+        for (int m = 0; m < MT; m++) {                                                                         \
+            const float* xm = xb + m * xs;                                                                     \
+            __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xm));                                             \
+            dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), dot);                                         \
+            dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), dot);                                        \
+            dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), dot);                                        \
+            acc[m] = (SCALED) ? _mm256_fmadd_ps(dot, _mm256_broadcast_ss(block_scale + b), acc[m])          \
+                                 : _mm256_add_ps(dot, acc[m]);                                                 \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int m = 0; m < MT; m++) out[m] = q_hsum(acc[m]);                                                      \
+}
+DEFINE_ROW_AVX2(q4_row, q4_widen, 16, 1)
+DEFINE_ROW_AVX2(q8_row, q8_widen, 32, 1)
+DEFINE_ROW_AVX2(fp8_row_dot, fp8_widen, 32, 0)
+#define FP8_ROW_UNIT (256.f) /* fp8_widen's values are value / 256 */
+
+#else /* portable C: a block's codes widened into a float[32], then plain loops GCC vectorises (-ffast-math) */
+
+static inline void q4_widen(const uint8_t* p, float q[QB]) {
+    for (int i = 0; i < 16; i++) { q[i] = (float)(p[i] & 0x0F); q[i + 16] = (float)(p[i] >> 4); }
+}
+static inline void q8_widen(const uint8_t* p, float q[QB]) {
+    for (int i = 0; i < QB; i++) q[i] = (float)(int8_t)p[i];
+}
+static inline void fp8_widen(const uint8_t* p, float q[QB]) {
+    for (int i = 0; i < QB; i++) q[i] = E4M3(p[i]);
+}
+
+#define DEFINE_ROW_C(NAME, WIDEN, BYTES, SCALED)                                                                   \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
+                                                       const float* x, int64_t xs, int64_t nb, int MT,         \
+                                                       float* out) {                                           \
+    float acc[QT] = {0.f};                                                                                     \
+    for (int64_t b = 0; b < nb; b++) {                                                                         \
+        float q[QB];                                                                                           \
+        WIDEN(wr + b * (BYTES), q);                                                                            \
+        for (int m = 0; m < MT; m++) {                                                                         \
+            const float* xm = x + m * xs + b * QB;                                                             \
+            float dot = 0.f;                                                                                   \
+            for (int i = 0; i < QB; i++) dot += q[i] * xm[i];                                                  \
+            acc[m] += (SCALED) ? block_scale[b] * dot : dot;                                                \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int m = 0; m < MT; m++) out[m] = acc[m];                                                              \
+}
+DEFINE_ROW_C(q4_row, q4_widen, 16, 1)
+DEFINE_ROW_C(q8_row, q8_widen, 32, 1)
+DEFINE_ROW_C(fp8_row_dot, fp8_widen, 32, 0)
+#define FP8_ROW_UNIT (1.f)
+#endif
+
+/* One weight row against MT rows of x: dot[m] for m < MT. A switch to constant MT so each tile size gets its own
+   unrolled body. (fp8's scale is per row: its rows take no block scales.) */
+#define DISPATCH_MT(ROW, wr, bs, x, xs, nb, mt, dot)                                                        \
+    switch (mt) {                                                                                            \
+        case 1: ROW(wr, bs, x, xs, nb, 1, dot); break;                                                       \
+        case 2: ROW(wr, bs, x, xs, nb, 2, dot); break;                                                       \
+        case 3: ROW(wr, bs, x, xs, nb, 3, dot); break;                                                       \
+        default: ROW(wr, bs, x, xs, nb, 4, dot); break;                                                      \
+    }
+
+void qgemm_f32(const nxd_qgemm_args* a) {
+    const int64_t M = a->M, K = a->K, N = a->N, nb = a->K / QB, xs = a->xs;
+    const int fmt = a->format;
+    const int64_t row_bytes = fmt == 0 ? K / 2 : K;
+    /* q4's offset term: offset[n, :] . xsum[m, :], the blocks' sums of x taken once here. */
+    float* xsum = NULL;
+    if (fmt == 0) {
+        xsum = (float*)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                const float* xb = a->x + m * xs + b * QB;
+                float s = 0.f;
+                for (int i = 0; i < QB; i++) s += xb[i];
+                xsum[m * nb + b] = s;
+            }
+    }
+    int nt = a->nthreads < 1 ? 1 : a->nthreads;
+    if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* waking the other threads would cost more than it saves */
+    _Pragma("omp parallel for num_threads(nt) schedule(static)")
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* wr = a->w + n * row_bytes;
+        const float* bs = fmt == 2 ? NULL : a->scale + n * nb;
+        for (int64_t m0 = 0; m0 < M; m0 += QT) {
+            const int mt = (int)(M - m0 < QT ? M - m0 : QT);
+            const float* x = a->x + m0 * xs;
+            float dot[QT];
+            if (fmt == 0) {
+                DISPATCH_MT(q4_row, wr, bs, x, xs, nb, mt, dot);
+                const float* off = a->offset + n * nb;
+                for (int m = 0; m < mt; m++) {
+                    const float* xm = xsum + (m0 + m) * nb;
+                    float s = 0.f;
+                    for (int64_t b = 0; b < nb; b++) s += off[b] * xm[b];
+                    dot[m] += s;
+                }
+            } else if (fmt == 1) {
+                DISPATCH_MT(q8_row, wr, bs, x, xs, nb, mt, dot);
+            } else {
+                DISPATCH_MT(fp8_row_dot, wr, bs, x, xs, nb, mt, dot);
+                for (int m = 0; m < mt; m++) dot[m] *= a->scale[n] * FP8_ROW_UNIT;
+            }
+            for (int m = 0; m < mt; m++) {
+                float v = dot[m];
+                if (a->res) v += a->res[(m0 + m) * a->rs + n];
+                a->out[(m0 + m) * a->os + n] = v;
+            }
+        }
+    }
+    free(xsum);
+}

@@ -1,0 +1,199 @@
+"""The quantized-weight GEMM for a few rows (csrc/qgemm.c, ``cpu_kernels.qgemm``, ``quant.QuantLinear``): on every
+runnable kernel path it computes the dense fp32 expansion of its codes to fp32 rounding; GGUF blocks through
+``gguf_weights`` compute the ``gguf`` package's dequantized blocks; the default model's 4-bit path gives the logits
+of a dense fp32 model holding the same dequantized blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdserve.cpu_options import CpuOptions
+from nxdserve.engine.models import cpu_kernels, cpu_setup, quant
+from nxdserve.engine.models.gguf_weights import decode_4bit, decode_q8_0
+from nxdserve.engine.models.llama import LlamaFamilyModel
+from nxdserve.engine.models.perplexity import next_token_logits
+from nxdserve.errors import ConfigError
+
+PATHS = cpu_kernels.runnable_paths()
+KERNEL_PATHS = [p for p in PATHS if p != "none"]
+ROWS = (1, 2, 3, 5, 8, 17)
+WIDTHS = (64, 576, 1536)
+N = 77  # not a multiple of 8 or 16
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each path this CPU runs, forced; the torch path (``none``) with fp32 activations (the exact reference)."""
+    assert cpu_setup.apply(CpuOptions(isa=request.param, quant_dense_rows=0)) == request.param
+    if request.param != "none":
+        assert cpu_kernels.active_path() == request.param, "the variant did not build (see the log)"
+    saved = quant.kernel_dtype
+    quant.kernel_dtype = None
+    yield request.param
+    quant.kernel_dtype = saved
+    cpu_setup.apply(CpuOptions())
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """Equal to fp32 rounding: relative 1e-5, plus a bound on the rounding of sums of |w x| (a different order)."""
+    scale = (x.abs() @ dense.abs().t()).max().item()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=scale * 2e-6)
+
+
+def _q4_codes(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    offset = torch.randn(n, k // 32, generator=gen) * 0.1
+    return codes, scale, offset
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "fp8"])
+@pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
+def test_kernel_equals_the_dense_fp32_expansion(kernel_path: str, fmt: str, threads: int) -> None:
+    assert cpu_setup.apply(CpuOptions(isa=kernel_path)) == kernel_path
+    gen = torch.Generator().manual_seed(len(fmt) + threads)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in WIDTHS:
+            if fmt == "q4":
+                codes, scale, offset = _q4_codes(N, k, gen)
+                q = quant.int4_from_codes(codes, scale, offset, 32, k)
+                weight, scales, offsets = q.data, q.scales, q.offsets
+                dense = (codes.float().view(N, -1, 32) * scale[..., None] + offset[..., None]).view(N, k)
+            elif fmt == "q8":
+                weight = torch.randint(-127, 128, (N, k), generator=gen, dtype=torch.int8)
+                scales, offsets = torch.rand(N, k // 32, generator=gen) * 0.01, None
+                dense = (weight.float().view(N, -1, 32) * scales[..., None]).view(N, k)
+            else:
+                weight = (torch.randn(N, k, generator=gen) * 100).to(torch.float8_e4m3fn)
+                scales, offsets = torch.rand(N, generator=gen) * 0.01, None
+                dense = weight.float() * scales[:, None]
+            for rows in ROWS:
+                x = torch.randn(rows, k, generator=gen)
+                residual = torch.randn(rows, N, generator=gen)
+                ref = F.linear(x, dense)
+                _close(cpu_kernels.qgemm(x, weight, scales, offsets, fmt), ref, x, dense)
+                _close(cpu_kernels.qgemm(x, weight, scales, offsets, fmt, residual), ref + residual, x, dense)
+                strided = torch.randn(rows, k + 32, generator=gen)[:, :k]  # rows not packed together
+                _close(cpu_kernels.qgemm(strided, weight, scales, offsets, fmt), F.linear(strided, dense), x, dense)
+    finally:
+        torch.set_num_threads(saved)
+        cpu_setup.apply(CpuOptions())
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "int4-g64", "int4-g128"])
+def test_quant_linear_computes_its_dequantized_weight_on_every_path(path: str, method: str) -> None:
+    """K = 200 (padded to the group), rows on both sides of the dense-copy threshold, a residual."""
+    torch.manual_seed(0)
+    q = quant.quantize(torch.randn(N, 200) * 0.1, method)
+    dense = q.dequantize()
+    for rows in ROWS:
+        x, residual = torch.randn(rows, 200), torch.randn(rows, N)
+        _close(q(x), F.linear(x, dense), x, dense)
+        _close(q(x, residual), F.linear(x, dense) + residual, x, dense)
+        xb = x.bfloat16()
+        out = q(xb)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), F.linear(xb.float(), dense), rtol=2e-2, atol=2e-2)  # bf16 out
+
+
+def test_rows_above_the_threshold_use_a_dense_copy_and_give_the_same_results() -> None:
+    torch.manual_seed(1)
+    q = quant.quantize(torch.randn(N, 576) * 0.1, "int4-g32")
+    x = torch.randn(12, 576)
+    try:
+        cpu_setup.apply(CpuOptions(quant_dense_rows=0))
+        kernel = q(x)
+        assert ("dense", torch.float32) not in q.__dict__.get("_cache", {})  # 0: no dense copy is ever made
+        cpu_setup.apply(CpuOptions(quant_dense_rows=4))
+        copied = q(x)
+        assert (("dense", torch.float32) in q.__dict__["_cache"]) == cpu_kernels.available()
+        assert q(x[:4]).shape == (4, N)
+    finally:
+        cpu_setup.apply(CpuOptions())
+    _close(kernel, copied, x, q.dequantize())
+
+
+def test_quant_dense_rows_option_and_flag() -> None:
+    from nxdserve.cli import build_parser, engine_config_from_args
+
+    assert CpuOptions().quant_dense_rows == quant.DENSE_ROWS
+    args = build_parser().parse_args(["--cpu-quant-dense-rows", "0"])
+    assert engine_config_from_args(args).cpu.quant_dense_rows == 0
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match="quant_dense_rows"):
+            CpuOptions(quant_dense_rows=bad)  # type: ignore[arg-type]
+
+
+def _gguf_blocks(kind: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF tensor's raw blocks and the gguf package's fp32 dequantization of them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = getattr(GGMLQuantizationType, kind)
+    rng = np.random.default_rng(len(kind) + cols)
+    if kind == "Q4_K":  # the package cannot quantize Q4_K: any bytes with finite d / dmin are valid blocks
+        raw = rng.integers(0, 256, size=(rows, cols // 256 * 144), dtype=np.uint8)
+        for b in range(cols // 256):
+            raw[:, b * 144 : b * 144 + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+            raw[:, b * 144 + 2 : b * 144 + 4] = np.frombuffer(np.float16(0.02).tobytes(), np.uint8)
+    else:
+        raw = quantize((rng.standard_normal((rows, cols)) * 0.2).astype(np.float32), qtype)
+    return raw, dequantize(raw, qtype)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_gguf_blocks_through_the_kernel_compute_the_gguf_packages_values(path: str, kind: str) -> None:
+    cols = 512 if kind == "Q4_K" else 576
+    raw, reference = _gguf_blocks(kind, N, cols)
+    q = decode_q8_0(raw, cols) if kind == "Q8_0" else quant.int4_from_codes(*decode_4bit(kind, raw, cols), 32, cols)
+    dense = torch.from_numpy(reference)
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        _close(q(x), F.linear(x, dense), x, dense)
+
+
+@pytest.fixture(scope="module")
+def default_models() -> Iterator[tuple[LlamaFamilyModel, LlamaFamilyModel]]:
+    """The default model with --quantization gguf, and a dense fp32 one holding its dequantized blocks."""
+    from nxdserve.model_files import default_gguf_path, resolve_model
+
+    load = lambda: LlamaFamilyModel.from_pretrained(resolve_model(None), torch.float32, torch.device("cpu"), 64)  # noqa: E731
+    kept, dense = load(), load()
+    quant.quantize_model(kept, "gguf", default_gguf_path())
+    with torch.no_grad():
+        for kept_layer, dense_layer in zip(kept.layers, dense.layers, strict=True):
+            for attr in LlamaFamilyModel.QUANTIZABLE:
+                getattr(dense_layer, attr).copy_(getattr(kept_layer, attr).dequantize())
+    assert kept.lm_head_quant is not None and kept.lm_head_quant.kind == "q8_0"
+    dense.lm_head_quant = None
+    yield kept, dense
+
+
+def test_default_model_gguf_logits_equal_its_dequantized_blocks_in_fp32(
+    default_models: tuple[LlamaFamilyModel, LlamaFamilyModel],
+) -> None:
+    """Issue 29 item 5: the 4-bit layers and the Q8_0 head kept in their blocks, computed by the kernel (prefill
+    rows too), give the logits of the dense fp32 model holding the same blocks expanded, to fp32 rounding."""
+    kept, dense = default_models
+    assert kept.lm_head_quant is not None
+    ids = [1, 504, 3458, 314, 253, 1345, 28, 1672]
+    try:
+        cpu_setup.apply(CpuOptions(quant_dense_rows=0))
+        got = next_token_logits(kept, ids)
+    finally:
+        cpu_setup.apply(CpuOptions())
+    saved = dense.lm_head_weight
+    dense.lm_head_weight = torch.nn.Parameter(kept.lm_head_quant.dequantize(), requires_grad=False)
+    try:
+        ref = next_token_logits(dense, ids)
+    finally:
+        dense.lm_head_weight = saved
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=float(ref.abs().max()) * 1e-5)
