@@ -86,7 +86,8 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cpu_options_from_args(args: argparse.Namespace) -> CpuOptions:
-    return CpuOptions(isa=args.cpu_isa, quant_dense_rows=args.cpu_quant_dense_rows, **{name: getattr(args, f"cpu_{name}") for name, _, _ in _SWITCHES})
+    switches = {name: getattr(args, f"cpu_{name}") for name, _, _ in _SWITCHES}
+    return CpuOptions(isa=args.cpu_isa, quant_dense_rows=args.cpu_quant_dense_rows, **switches)
 
 
 def set_openmp_wait_policy() -> None:

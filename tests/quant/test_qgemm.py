@@ -5,6 +5,7 @@ of a dense fp32 model holding the same dequantized blocks."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import numpy as np
@@ -165,8 +166,8 @@ def default_models() -> Iterator[tuple[LlamaFamilyModel, LlamaFamilyModel]]:
     """The default model with --quantization gguf, and a dense fp32 one holding its dequantized blocks."""
     from nxdserve.model_files import default_gguf_path, resolve_model
 
-    load = lambda: LlamaFamilyModel.from_pretrained(resolve_model(None), torch.float32, torch.device("cpu"), 64)  # noqa: E731
-    kept, dense = load(), load()
+    dense = LlamaFamilyModel.from_pretrained(resolve_model(None), torch.float32, torch.device("cpu"), 64)
+    kept = copy.deepcopy(dense)
     quant.quantize_model(kept, "gguf", default_gguf_path())
     with torch.no_grad():
         for kept_layer, dense_layer in zip(kept.layers, dense.layers, strict=True):
