@@ -190,9 +190,10 @@ def test_engine_serves_a_quantized_model_through_the_torch_backend() -> None:
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
-def test_every_runnable_cpu_path_gives_the_same_quantized_logits(method: str) -> None:
+def test_every_runnable_cpu_path_gives_the_same_quantized_logits(method: str, exact_kernels: None) -> None:
     """--cpu-isa forced to each path this CPU runs (avx2 / generic / none here; avx512bf16 / amx where present):
-    the quantized model's logits equal the kernel-free path's (``none``), prefill and decode."""
+    the quantized model's logits equal the kernel-free path's (``none``), prefill and decode. The C paths compute
+    the codes in fp32 (``cpu_kernels.qgemm``), so ``none``'s PyTorch kernels get fp32 activations too."""
     from nxdserve.cpu_options import CpuOptions
     from nxdserve.engine.models import cpu_kernels, cpu_setup
 
@@ -208,4 +209,6 @@ def test_every_runnable_cpu_path_gives_the_same_quantized_logits(method: str) ->
         cpu_setup.apply(CpuOptions())
     assert "none" in results and len(results) >= 2
     for path, logits in results.items():
-        torch.testing.assert_close(logits, results["none"], rtol=1e-5, atol=1e-5, msg=path)
+        # The C paths sum each block's products in another order than PyTorch's int4/int8 kernels: fp32 rounding
+        # through the layers reaches ~1e-5 on logits of ~5 (measured 9.3e-6 on avx2).
+        torch.testing.assert_close(logits, results["none"], rtol=1e-5, atol=5e-5, msg=path)

@@ -58,7 +58,7 @@ class QuantLinear:
     data: torch.Tensor
     scales: torch.Tensor  # fp32: (N,) for int8/fp8; (N, K_padded / 32) for int4; (N, K / group) for q8_0
     group: int = 0  # int4: the group the scales were computed over (they are stored per 32); q8_0: its group
-    padded_in: int = 0  # int4: K rounded up to a multiple of the group (zero codes beyond in_features)
+    padded_in: int = 0  # int4: K rounded up to a multiple of 32 (zero codes beyond in_features)
     offsets: torch.Tensor | None = None  # int4: (N, K_padded / 32) fp32; w = code * scale + offset
 
     @property
@@ -140,8 +140,9 @@ class QuantLinear:
             scales = self._cached(("scales", act), lambda: self.scales.to(act).contiguous())
             out = torch.ops.aten._weight_int8pack_mm(xb, self.data, scales)
         else:
-            if self.padded_in != self.in_features:
-                xb = F.pad(xb, (0, self.padded_in - self.in_features))
+            padded = -(-self.in_features // self.group) * self.group
+            if padded != self.in_features:
+                xb = F.pad(xb, (0, padded - self.in_features))
             packed, scales_and_zeros = self._cached("int4pack", self._int4pack)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, self.group, scales_and_zeros.to(act))
             if out.shape[1] != self.out_features:  # rows padded to the layout's multiple of 16
@@ -162,7 +163,9 @@ class QuantLinear:
         rows = -n // 16 * -16  # the packed layout takes N in multiples of 16: zero rows, sliced off after the call
         step = self.group // 32  # the stored per-32 scales repeat each group's
         scale, offset = self.scales[:, ::step], self.offsets[:, ::step]
-        codes, scale, offset = (F.pad(t, (0, 0, 0, rows - n)) for t in (self.codes(), scale, offset))
+        padded = -(-self.in_features // self.group) * self.group  # the layout's K: whole groups
+        codes = F.pad(self.codes(), (0, padded - self.padded_in, 0, rows - n))
+        scale, offset = (F.pad(t, (0, 0, 0, rows - n)) for t in (scale, offset))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         zero = offset + 8.0 * scale
         return packed, torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
@@ -237,8 +240,13 @@ def int4_from_codes(
         raise ValueError(f"4-bit codes: group {group} must be a multiple of 32 dividing {padded} columns")
     blocks = codes.to(torch.uint8).view(n, padded // 32, 2, 16)
     data = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, padded // 2).contiguous()
-    scales, offsets = (t.float().repeat_interleave(group // 32, dim=1).contiguous() for t in (scale, offset))
-    return QuantLinear("int4", n, in_features, data, scales, group, padded, offsets)
+    # Kept to K rounded up to 32 (the codes past it are zeros): a per-channel checkpoint's small K padded to a
+    # group of 128 would otherwise carry up to 3 blocks of padding per row.
+    kept = -(-in_features // 32) * 32
+    data = data[:, : kept // 2].contiguous()
+    scales, offsets = (t.float().repeat_interleave(group // 32, dim=1)[:, : kept // 32].contiguous()
+                       for t in (scale, offset))  # fmt: skip
+    return QuantLinear("int4", n, in_features, data, scales, group, kept, offsets)
 
 
 # --quantization names (vLLM's where vLLM has one) -> (kind, group).
