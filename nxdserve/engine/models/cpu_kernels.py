@@ -615,6 +615,46 @@ QGEMM_FORMATS = {"q4": 0, "q8": 1, "fp8": 2}
 QGEMM_BLOCK = 32
 
 
+class QgemmWeight:
+    """A quantized weight as ``qgemm_f32`` reads it (``csrc/qgemm.c``), with its args struct filled once: a call
+    sets only the activations' fields (a decode step makes ~120 of these calls; each costs ~5 us of Python).
+
+    ``fmt`` "q4": codes uint8 (N, K/2) in GGUF's nibble order, scale and offset fp32 (N, K/32); "q8": codes int8
+    (N, K), scale (N, K/32); "fp8": codes float8_e4m3fn / uint8 (N, K), scale (N,). K a multiple of 32."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, fmt: str) -> None:
+        n = codes.shape[0]
+        k = codes.shape[1] * (2 if fmt == "q4" else 1)
+        if k % QGEMM_BLOCK or not codes.is_contiguous() or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError("qgemm: K must be a multiple of 32, codes contiguous, scales contiguous fp32")
+        if (offset is not None) != (fmt == "q4") or (offset is not None and not offset.is_contiguous()):
+            raise ValueError("qgemm: q4 takes contiguous offsets, the other formats none")
+        self.tensors = (codes, scale, offset)  # kept alive: the struct holds their addresses
+        self.out_features, self.in_features = n, k
+        self.args = QgemmArgs()
+        self.args.K, self.args.N, self.args.format = k, n, QGEMM_FORMATS[fmt]
+        self.args.w, self.args.scale = codes.data_ptr(), scale.data_ptr()
+        self.args.offset = None if offset is None else offset.data_ptr()
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (M, K) @ W^T [+ residual]``: x fp32 (M, K) with contiguous rows, residual fp32 (M, N) likewise.
+        Callers check ``available()``."""
+        lib = _library()
+        assert lib is not None and x.dtype == torch.float32 and x.shape[1] == self.in_features and x.stride(1) == 1
+        rows = x.shape[0]
+        out = torch.empty(rows, self.out_features)
+        a = self.args
+        a.x, a.M, a.xs, a.out, a.os = x.data_ptr(), rows, x.stride(0), out.data_ptr(), self.out_features
+        a.nthreads = torch.get_num_threads()
+        if residual is None:
+            a.res, a.rs = None, 0
+        else:
+            assert residual.dtype == torch.float32 and residual.shape == out.shape and residual.stride(1) == 1
+            a.res, a.rs = residual.data_ptr(), residual.stride(0)
+        lib.qgemm_f32(ctypes.byref(a))
+        return out
+
+
 def qgemm(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -623,25 +663,5 @@ def qgemm(
     fmt: str,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x (M, K) @ W^T [+ residual]`` in fp32 for a quantized W (``csrc/qgemm.c``), K a multiple of 32.
-    ``fmt`` "q4": codes uint8 (N, K/2) in GGUF's nibble order, scale and offset fp32 (N, K/32); "q8": codes
-    int8 (N, K), scale (N, K/32); "fp8": codes float8_e4m3fn (N, K), scale (N,). x fp32 with contiguous rows;
-    residual fp32 (M, N) with contiguous rows. Callers check ``available()``."""
-    lib = _library()
-    assert lib is not None
-    rows, k = x.shape
-    n = codes.shape[0]
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and k % QGEMM_BLOCK == 0 and codes.is_contiguous()
-    assert codes.shape[1] * (2 if fmt == "q4" else 1) == k and scale.dtype == torch.float32 and scale.is_contiguous()
-    assert (offset is not None) == (fmt == "q4")
-    out = torch.empty(rows, n, dtype=torch.float32)
-    if residual is not None:
-        assert residual.dtype == torch.float32 and residual.shape == (rows, n) and residual.stride(1) == 1
-    args = QgemmArgs(
-        x.data_ptr(), rows, k, x.stride(0), codes.data_ptr(), scale.data_ptr(),
-        None if offset is None else offset.data_ptr(), None if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0), n, out.data_ptr(), out.stride(0), QGEMM_FORMATS[fmt],
-        torch.get_num_threads(),
-    )  # fmt: skip
-    lib.qgemm_f32(ctypes.byref(args))
-    return out
+    """``x (M, K) @ W^T [+ residual]`` in fp32 for a quantized W (``QgemmWeight`` says the formats)."""
+    return QgemmWeight(codes, scale, offset, fmt)(x, residual)

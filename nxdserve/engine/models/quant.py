@@ -80,21 +80,27 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` (+ ``residual``, rounded as the eager ``out + residual``) for x (M, K) in fp32 or bf16."""
         if _kernel_serves(x, x.shape[0]):
-            args = self._kernel_args()
-            if args is not None:
-                return self._kernel_call(x, args, residual)
+            kernel = self._kernel_args()
+            if kernel is not None:
+                return self._kernel_call(x, kernel, residual)
         out = self._torch_call(x)
         return out if residual is None else out + residual
 
-    def _kernel_args(self) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
-        """(format, codes, scales, offsets, padded K) as ``cpu_kernels.qgemm`` reads them, made once; None where
-        no kernel format fits (q8_0 groups that are not multiples of 32)."""
+    def _kernel_args(self) -> Any:
+        """The ``cpu_kernels.QgemmWeight`` of these codes, made once; None where no kernel format fits (q8_0
+        groups that are not multiples of 32)."""
         return self._cached("kernel", self._make_kernel_args)
 
-    def _make_kernel_args(self) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
+    def _make_kernel_args(self) -> Any:
+        from nxdserve.engine.models.cpu_kernels import QgemmWeight
+
+        args = self._kernel_layout()
+        return None if args is None else QgemmWeight(*args)
+
+    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str] | None:
         block = 32
         if self.kind == "int4":
-            return "q4", self.data, self.scales, self.offsets, self.padded_in
+            return self.data, self.scales, self.offsets, "q4"
         if self.kind == "q8_0" and self.group % block:
             return None
         padded = -(-self.in_features // block) * block
@@ -102,30 +108,22 @@ class QuantLinear:
         if padded != self.in_features:
             codes = F.pad(codes, (0, padded - self.in_features))
         if self.kind == "fp8":
-            return "fp8", codes.contiguous(), self.scales.float().contiguous(), None, padded
+            return codes.contiguous(), self.scales.float().contiguous(), None, "fp8"
         if self.kind == "int8":  # one scale per row: the same for each of its blocks
             scales = self.scales.float()[:, None].expand(-1, padded // block)
         else:  # q8_0: each group's scale for each of its blocks
             scales = self.scales.float().repeat_interleave(self.group // block, dim=1)
-        return "q8", codes.view(torch.int8).contiguous(), scales.contiguous(), None, padded
+        return codes.view(torch.int8).contiguous(), scales.contiguous(), None, "q8"
 
-    def _kernel_call(
-        self,
-        x: torch.Tensor,
-        args: tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, int],
-        residual: torch.Tensor | None,
-    ) -> torch.Tensor:
-        from nxdserve.engine.models import cpu_kernels
-
-        fmt, codes, scales, offsets, padded = args
-        xf = x.float()
-        if padded != self.in_features:
-            xf = F.pad(xf, (0, padded - self.in_features))
+    def _kernel_call(self, x: torch.Tensor, kernel: Any, residual: torch.Tensor | None) -> torch.Tensor:
+        xf = x if x.dtype == torch.float32 else x.float()
+        if kernel.in_features != self.in_features:  # zero activations against the padding's zero codes
+            xf = F.pad(xf, (0, kernel.in_features - self.in_features))
         elif xf.stride(-1) != 1:
             xf = xf.contiguous()
         fused = residual is not None and residual.dtype == torch.float32 and residual.stride(-1) == 1
-        out = cpu_kernels.qgemm(xf, codes, scales, offsets, fmt, residual if fused else None)
-        out = out.to(x.dtype)
+        out = kernel(xf, residual if fused else None)
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if residual is None or fused else out + residual
 
     def _torch_call(self, x: torch.Tensor) -> torch.Tensor:
