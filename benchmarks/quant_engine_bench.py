@@ -1,26 +1,53 @@
 """Engine decode speed per weight format (issue 29): the default model through the torch backend, single
 stream and N concurrent, for dense fp32 / bf16 and each ``--quantization``, in the same run. Prints a table
-(tok/s and the ratio to the first configuration) and writes JSON.
+(tok/s, the ratio to the first configuration, and the share of the memory-bandwidth limit: the bytes of weights
+one decode step reads over ``--bandwidth-gbs``) and writes JSON.
 
     PYTHONPATH=$PWD python benchmarks/quant_engine_bench.py [--batches 1 32] [--tokens 48] [--cpu-isa auto]
+        [--configs float32 float32/gguf ...] [--cpu-quant-dense-rows N]
+
+Configs are ``dtype`` or ``dtype/quantization``. It runs on any tree whose EngineConfig has ``quantization``
+(main's too: run it from /work/main with main's PYTHONPATH for a before/after in the same session).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 
 from nxdserve.cpu_options import CpuOptions, set_openmp_wait_policy
 
 set_openmp_wait_policy()  # before torch loads OpenMP, which reads it once
 
 # isort: split
+import torch  # noqa: E402 - after the wait policy
+
 from benchmarks.engine_bench import bench_engine_decode  # noqa: E402 - after the wait policy
 from nxdserve import EngineConfig  # noqa: E402 - after the wait policy
 from nxdserve.engine.loader import build_engine_core  # noqa: E402 - after the wait policy
 
-CONFIGS = [("float32", None), ("bfloat16", None), ("float32", "gguf"), ("float32", "int8"), ("float32", "int4"),
-           ("float32", "fp8")]  # fmt: skip
+CONFIGS = ["float32", "bfloat16", "float32/gguf", "float32/int8", "float32/int4", "float32/fp8"]
+
+
+def weight_bytes(model: object, rows: int) -> int:
+    """Bytes of the linears (and LM head) one step of ``rows`` rows reads: the codes where the quantized kernel
+    serves that many rows, a dense copy's bytes where it does not."""
+    from nxdserve.engine.models import quant
+
+    def size(w: object) -> int:
+        if isinstance(w, quant.QuantLinear):
+            if getattr(quant, "dense_rows", 1) and rows > getattr(quant, "dense_rows", 0):
+                return w.out_features * w.in_features * 4
+            return w.nbytes
+        assert isinstance(w, torch.Tensor)
+        return w.numel() * w.element_size()
+
+    total = 0
+    for layer in model.layers:  # type: ignore[attr-defined]
+        total += sum(size(getattr(layer, attr)) for attr in model.QUANTIZABLE)  # type: ignore[attr-defined]
+    head = getattr(model, "lm_head_quant", None) or model.lm_head_weight  # type: ignore[attr-defined]
+    return total + size(head)
 
 
 def main() -> None:
@@ -28,26 +55,38 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cpu-isa", default="auto", help="force a kernel path (avx2, generic, none, ...)")
+    ap.add_argument("--cpu-quant-dense-rows", type=int, default=None, help="CpuOptions.quant_dense_rows")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS)
+    ap.add_argument("--bandwidth-gbs", type=float, default=24.0, help="the machine's measured memory bandwidth")
+    ap.add_argument("--label", default="", help="a name for this tree in the table (before / after)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    cpu_kw: dict[str, object] = {"isa": args.cpu_isa}
+    if args.cpu_quant_dense_rows is not None and "quant_dense_rows" in {f.name for f in fields(CpuOptions)}:
+        cpu_kw["quant_dense_rows"] = args.cpu_quant_dense_rows
     rows: list[dict[str, object]] = []
-    for dtype, method in CONFIGS:
-        config = EngineConfig(model=None, backend="torch", device="cpu", dtype=dtype, quantization=method,
-                              max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(isa=args.cpu_isa))
+    for spec in args.configs:
+        dtype, _, method = spec.partition("/")
+        config = EngineConfig(model=None, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
+                              max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**cpu_kw))  # type: ignore[arg-type]
         core, _ = build_engine_core(config, with_metrics=False)
+        model = core.backend.model  # type: ignore[attr-defined]
         for batch in args.batches:
             result = bench_engine_decode(core, batch, args.tokens)
-            rows.append({"dtype": dtype, "quantization": method, "batch": batch, **result})
-        del core
-    print(f"--cpu-isa {args.cpu_isa}; decode tok/s (ratio to dense fp32 at the same batch)")
+            nbytes = weight_bytes(model, batch)
+            share = nbytes / (args.bandwidth_gbs * 1e9) / (result["step_ms"] / 1e3)
+            rows.append({"config": spec, "batch": batch, "weight_mb": nbytes / 1e6, "bw_share": share, **result})
+        del core, model
+    print(f"{args.label} --cpu-isa {args.cpu_isa}; decode tok/s (ratio to the first config at the same batch); "
+          f"bandwidth share = weight bytes per step / {args.bandwidth_gbs:g} GB/s / step time")
     for batch in args.batches:
         base = next(float(r["tok_s"]) for r in rows if r["batch"] == batch)  # type: ignore[arg-type]
         for r in rows:
             if r["batch"] == batch:
                 tok_s = float(r["tok_s"])  # type: ignore[arg-type]
-                label = f"{r['dtype']} {r['quantization'] or 'dense'}"
-                print(f"batch {batch:>3}  {label:<18} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
-                      f"step {float(r['step_ms']):6.1f} ms")  # type: ignore[arg-type]
+                print(f"batch {batch:>3}  {r['config']:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
+                      f"step {float(r['step_ms']):6.1f} ms  weights {float(r['weight_mb']):6.1f} MB  "  # type: ignore[arg-type]
+                      f"bw {100 * float(r['bw_share']):5.1f}%")  # type: ignore[arg-type]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

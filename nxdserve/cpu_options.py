@@ -34,7 +34,7 @@ class CpuOptions:
     bind_threads: bool = True  # the forward's intra-op threads bound one per CPU
     # Quantized linears: calls of up to this many rows run the C kernel on the codes, more rows a dense copy
     # expanded once (0: the kernel for every call, no dense copy). Default: the measured crossover (perf_notes.md).
-    quant_dense_rows: int = 8
+    quant_dense_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_CHOICES:

@@ -37,7 +37,7 @@ kernel_dtype: torch.dtype | None = KERNEL_DTYPE
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 # Calls of up to this many rows run the C kernel on the codes; more rows a dense copy (0: the kernel always).
 # Set from CpuOptions.quant_dense_rows; the default is the measured crossover (perf_notes.md).
-DENSE_ROWS = 8
+DENSE_ROWS = 16
 dense_rows = DENSE_ROWS
 
 
