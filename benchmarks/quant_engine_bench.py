@@ -37,7 +37,8 @@ def weight_bytes(model: object, rows: int) -> int:
 
     def size(w: object) -> int:
         if isinstance(w, quant.QuantLinear):
-            if getattr(quant, "dense_rows", 1) and rows > getattr(quant, "dense_rows", 0):
+            limit = getattr(quant, "dense_rows", None)  # None: a tree without the row switch (main before it)
+            if limit and rows > limit:
                 return w.out_features * w.in_features * 4
             return w.nbytes
         assert isinstance(w, torch.Tensor)

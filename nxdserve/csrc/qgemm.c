@@ -14,7 +14,7 @@
    Rows of N are split over the threads; each thread streams its rows' codes once for all M rows (in tiles of up
    to QT rows of x, whose accumulators stay in registers). */
 
-#define QT 4       /* rows of x per pass over a weight row: 4 accumulators + 4 widened code vectors in registers */
+#define QT 8 /* rows of x per pass over a weight row: 8 accumulators + 4 widened code vectors fit AVX2's 16 registers */
 #define QB 32      /* elements per block */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -125,7 +125,11 @@ DEFINE_ROW_C(fp8_row_dot, fp8_widen, 32, 0)
         case 1: ROW(wr, bs, x, xs, nb, 1, dot); break;                                                       \
         case 2: ROW(wr, bs, x, xs, nb, 2, dot); break;                                                       \
         case 3: ROW(wr, bs, x, xs, nb, 3, dot); break;                                                       \
-        default: ROW(wr, bs, x, xs, nb, 4, dot); break;                                                      \
+        case 4: ROW(wr, bs, x, xs, nb, 4, dot); break;                                                       \
+        case 5: ROW(wr, bs, x, xs, nb, 5, dot); break;                                                       \
+        case 6: ROW(wr, bs, x, xs, nb, 6, dot); break;                                                       \
+        case 7: ROW(wr, bs, x, xs, nb, 7, dot); break;                                                       \
+        default: ROW(wr, bs, x, xs, nb, 8, dot); break;                                                      \
     }
 
 void qgemm_f32(const nxd_qgemm_args* a) {
