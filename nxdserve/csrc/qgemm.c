@@ -11,7 +11,7 @@
      unpack, convert, FMA.
    - q8 (format 1): int8 codes (N, K), scale[n, b]; w = code * scale.
    - fp8 (format 2): e4m3fn codes (N, K), one scale per row (scale[n]); w = code * scale.
-   Rows of N are split over the threads; each thread streams its rows' codes once for all M rows (in tiles of up
+   Rows of N are shared out to the threads; each thread streams its rows' codes once for all M rows (in tiles of up
    to QT rows of x, whose accumulators stay in registers). */
 
 #define QT 8 /* rows of x per pass over a weight row: 8 accumulators + 4 widened code vectors fit AVX2's 16 registers */
@@ -150,7 +150,9 @@ void qgemm_f32(const nxd_qgemm_args* a) {
     }
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* waking the other threads would cost more than it saves */
-    _Pragma("omp parallel for num_threads(nt) schedule(static)")
+    /* Chunks of 32 weight rows taken as threads free up: on a shared machine a descheduled sibling no longer holds
+       half the rows (each row is computed whole by one thread, so the results do not depend on the split). */
+    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 32)")
     for (int64_t n = 0; n < N; n++) {
         const uint8_t* wr = a->w + n * row_bytes;
         const float* bs = fmt == 2 ? NULL : a->scale + n * nb;
