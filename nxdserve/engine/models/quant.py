@@ -1,20 +1,23 @@
 """Weight-only quantized linears: int8 per output channel, 4-bit group-wise, fp8 e4m3 per channel.
 
-A ``QuantLinear`` stands where a layer's dense weight stood (``linear.linear`` calls it). The kernels are
-PyTorch's own weight-only ones, chosen from ``benchmarks/quant_bench.py`` (see perf_notes.md):
+A ``QuantLinear`` stands where a layer's dense weight stood (``linear.linear`` calls it). It keeps the codes
+as our C kernel reads them (``csrc/qgemm.c``, ``cpu_kernels.QgemmWeight``): 4-bit codes two a byte in GGUF's
+nibble order with an fp32 scale and offset per 32 input columns (``w = q * scale + offset``: our min/max codes,
+and exactly GGUF's Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m`` and Q4_K sub-blocks, ``gguf_weights.py``), int8
+codes with a scale per row or per group (GGUF's Q8_0), fp8 e4m3 codes with a row scale. Per call the rows
+decide (``dense_rows``, ``CpuOptions.quant_dense_rows``, measured in ``benchmarks/quant_bench.py``):
 
-- int8: ``aten._weight_int8pack_mm`` (int8 (N, K) weight, one scale per output row);
-- 4-bit: ``aten._weight_int4pack_mm_for_cpu`` on ``_convert_weight_to_int4pack_for_cpu``'s layout, whose
-  dequantization is ``(q - 8) * scale + zero`` per group of ``group`` input columns; an asymmetric
-  min/max code (``w = q * scale + min``) maps onto it with ``zero = min + 8 * scale``, and so do GGUF's Q4_0
-  (``d * (q - 8)``), Q4_1 (``d * q + m``) and Q4_K sub-blocks (``gguf_weights.py``);
-- fp8 e4m3: the CPU has no fp8 arithmetic, and widening the codes per call measured 13-40x slower than a
-  dense GEMM, so the codes are expanded once, on the first call, into the activations' dtype: fp8's
-  accuracy at dense speed and memory (the codes are what an NxD / GPU build would read).
+- a few rows (decode: bound by the weight's bytes): the C kernel, fp32 activations, the codes widened in
+  registers: the dense fp32 expansion's results to fp32 rounding;
+- more rows (bound by FLOPs): a dense copy expanded once from the codes in the activations' dtype, through the
+  dense path.
 
-On AVX2 PyTorch's int8/int4 kernels are vectorised for bf16 activations and not for fp32 (measured: fp32
-activations 5-9x slower than a dense fp32 GEMM at one row, bf16 ones 0.65-0.73x of it), so they get the
-activations in bf16 and the output is cast back to the model's dtype.
+Without the C kernels (``--cpu-isa none``, no compiler) PyTorch's own weight-only ops run: int8
+``aten._weight_int8pack_mm``; 4-bit ``aten._weight_int4pack_mm_for_cpu`` (its layout made from the codes on first
+use; its dequantization ``(q - 8) * scale + zero`` takes ``zero = offset + 8 * scale``); fp8 and grouped int8
+through a dense copy (widening fp8 per call in torch measured 13-40x slower than a dense GEMM). On AVX2 PyTorch's
+int8/int4 kernels are vectorised for bf16 activations and not for fp32 (fp32 activations 5-9x slower than a dense
+fp32 GEMM at one row), so they get the activations in bf16 (``kernel_dtype``) and the output is cast back.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ dense_rows = DENSE_ROWS
 class QuantLinear:
     """A quantized (out_features, in_features) weight and the call that multiplies by it.
 
-    Per call the rows decide (``dense_rows``): up to that many rows go to the C kernel (``cpu_kernels.qgemm``,
+    Per call the rows decide (``dense_rows``): up to that many rows go to the C kernel (``cpu_kernels.QgemmWeight``,
     fp32 activations, reading the codes as stored); more rows to a dense copy expanded once from the codes in the
     activations' dtype (a batched step is bound by FLOPs, where a dense GEMM wins). Without the C kernels
     (``--cpu-isa none``, no compiler) PyTorch's weight-only ops run, as the module doc says."""
