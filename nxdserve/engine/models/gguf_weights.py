@@ -1,11 +1,13 @@
 """A GGUF file's quantized linears served from its own blocks (``--quantization gguf``).
 
-The 4-bit block formats map exactly onto ``quant.int4_from_codes``'s group-32 ``codes * scale + offset``:
+The 4-bit block formats map exactly onto ``quant.int4_from_codes``'s group-32 ``codes * scale + offset`` (the
+nibbles kept in the file's byte order, which is the one the kernel reads):
 Q4_0 (``d * (q - 8)``: scale d, offset -8d), Q4_1 (``d * q + m``: scale d, offset m) and Q4_K (each
 sub-block of 32: scale ``d * sc``, offset ``-dmin * m``); the codes are the file's nibbles, unchanged.
-Q8_0 (``d * q`` per 32) keeps its int8 codes and block scales (``QuantLinear`` kind ``"q8_0"``; no PyTorch
-kernel takes per-block int8 scales, so it is expanded once into the compute dtype, as fp8 is). Other
-tensor types (F32 norms) are not linears here and come from the dense folder as before.
+Q8_0 (``d * q`` per 32) keeps its int8 codes and block scales (``QuantLinear`` kind ``"q8_0"``, read by the
+``q8`` kernel of ``csrc/qgemm.c``; no PyTorch kernel takes per-block int8 scales, so without our kernels, or for
+many rows, it is expanded once into the compute dtype). Other tensor types (F32 norms) are not linears here and
+come from the dense folder as before.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE layout; the rows are put back as
 transformers does when it loads a GGUF (``_reverse_permute``), which moves whole rows, so whole blocks.
