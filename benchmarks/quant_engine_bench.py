@@ -19,8 +19,10 @@ from benchmarks.engine_bench import bench_engine_decode  # noqa: E402 - after th
 from nxdserve import EngineConfig  # noqa: E402 - after the wait policy
 from nxdserve.engine.loader import build_engine_core  # noqa: E402 - after the wait policy
 
-CONFIGS = [("float32", None), ("bfloat16", None), ("float32", "gguf"), ("float32", "int8"), ("float32", "int4"),
-           ("float32", "fp8")]  # fmt: skip
+# ("auto", None) is the default configuration: no --dtype, no --quantization (the default model's own 4-bit
+# blocks, except where the fused AVX512-BF16 / AMX decoder keeps dense bf16: engine/backends/weight_format.py).
+CONFIGS = [("float32", None), ("auto", None), ("bfloat16", None), ("float32", "gguf"), ("float32", "int8"),
+           ("float32", "int4"), ("float32", "fp8")]  # fmt: skip
 
 
 def main() -> None:
@@ -28,25 +30,32 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cpu-isa", default="auto", help="force a kernel path (avx2, generic, none, ...)")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="a subset as dtype/method, e.g. float32/dense auto/dense float32/gguf (the first is the base)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    configs = CONFIGS if args.configs is None else [
+        (dtype, None if method == "dense" else method) for dtype, method in (c.split("/") for c in args.configs)
+    ]  # fmt: skip
     rows: list[dict[str, object]] = []
-    for dtype, method in CONFIGS:
+    for dtype, method in configs:
         config = EngineConfig(model=None, backend="torch", device="cpu", dtype=dtype, quantization=method,
                               max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(isa=args.cpu_isa))
         core, _ = build_engine_core(config, with_metrics=False)
         for batch in args.batches:
             result = bench_engine_decode(core, batch, args.tokens)
-            rows.append({"dtype": dtype, "quantization": method, "batch": batch, **result})
+            rows.append({"dtype": dtype, "quantization": method, "served": config.quantization or "dense",
+                         "batch": batch, **result})
         del core
-    print(f"--cpu-isa {args.cpu_isa}; decode tok/s (ratio to dense fp32 at the same batch)")
+    print(f"--cpu-isa {args.cpu_isa}; decode tok/s (ratio to the first configuration at the same batch)")
     for batch in args.batches:
         base = next(float(r["tok_s"]) for r in rows if r["batch"] == batch)  # type: ignore[arg-type]
         for r in rows:
             if r["batch"] == batch:
                 tok_s = float(r["tok_s"])  # type: ignore[arg-type]
-                label = f"{r['dtype']} {r['quantization'] or 'dense'}"
-                print(f"batch {batch:>3}  {label:<18} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
+                label = f"{r['dtype']} {r['quantization'] or 'dense'}" + (" -> " + str(r["served"])
+                                                                           if r["dtype"] == "auto" else "")
+                print(f"batch {batch:>3}  {label:<22} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
                       f"step {float(r['step_ms']):6.1f} ms")  # type: ignore[arg-type]
     if args.json:
         with open(args.json, "w") as f:
