@@ -87,3 +87,29 @@ def test_default_model_loads_its_blocks_and_float32_loads_dense(caplog: pytest.L
         for name in names:
             weight = getattr(layer, name)
             assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+
+
+def test_a_gguf_whose_linears_are_not_served_quantized_falls_back_to_dense(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """By default a file whose linears are in a type the blocks path does not take (here: the reader's own error
+    for Q6_K) is served dense, with the reason logged; asked for with --quantization gguf, it is the error."""
+    from nxdserve.engine.backends import torch_backend
+    from nxdserve.engine.models import gguf_weights
+    from nxdserve.errors import ConfigError
+    from tests.helpers.tiny_model import tiny_model_path
+
+    def unserved(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantLinear]:
+        raise ConfigError("--quantization gguf: blk.0.ffn_down.weight is Q6_K; served quantized: Q4_0, Q4_1, Q4_K")
+
+    monkeypatch.setattr(torch_backend, "_gguf_file", lambda config: Path("/m/tiny.Q4_K_M.gguf"))
+    monkeypatch.setattr(gguf_weights, "load_quantized_linears", unserved)
+    settings = {"model": str(tiny_model_path("llama")), "max_model_len": 64, "max_num_seqs": 2}
+    with caplog.at_level(logging.INFO, logger="nxdserve.engine.backends.torch_backend"):
+        core = make_core(dtype="auto", **settings)
+    assert core.config.quantization is None
+    assert "not the file's blocks" in caplog.text and "Q6_K" in caplog.text
+    layer = core.backend.model.layers[0]  # type: ignore[attr-defined]
+    assert isinstance(layer.qkv_weight, torch.Tensor)
+    with pytest.raises(ConfigError, match="Q6_K"):
+        make_core(dtype="float32", quantization="gguf", **settings)
