@@ -27,7 +27,9 @@ from benchmarks.engine_bench import bench_engine_decode  # noqa: E402 - after th
 from nxdserve import EngineConfig  # noqa: E402 - after the wait policy
 from nxdserve.engine.loader import build_engine_core  # noqa: E402 - after the wait policy
 
-CONFIGS = ["float32", "bfloat16", "float32/gguf", "float32/int8", "float32/int4", "float32/fp8"]
+# "auto" is the default configuration: no --dtype, no --quantization (the default model's own 4-bit blocks,
+# except where the fused AVX512-BF16 / AMX decoder keeps dense bf16: engine/backends/weight_format.py).
+CONFIGS = ["float32", "auto", "bfloat16", "float32/gguf", "float32/int8", "float32/int4", "float32/fp8"]
 
 
 def weight_bytes(model: object, rows: int) -> int:
@@ -76,7 +78,8 @@ def main() -> None:
             result = bench_engine_decode(core, batch, args.tokens)
             nbytes = weight_bytes(model, batch)
             share = nbytes / (args.bandwidth_gbs * 1e9) / (result["step_ms"] / 1e3)
-            rows.append({"config": spec, "batch": batch, "weight_mb": nbytes / 1e6, "bw_share": share, **result})
+            rows.append({"config": spec, "served": config.quantization or "dense", "batch": batch,
+                         "weight_mb": nbytes / 1e6, "bw_share": share, **result})
         del core, model
     print(f"{args.label} --cpu-isa {args.cpu_isa}; decode tok/s (ratio to the first config at the same batch); "
           f"bandwidth share = weight bytes per step / {args.bandwidth_gbs:g} GB/s / step time")
@@ -85,7 +88,8 @@ def main() -> None:
         for r in rows:
             if r["batch"] == batch:
                 tok_s = float(r["tok_s"])  # type: ignore[arg-type]
-                print(f"batch {batch:>3}  {r['config']:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
+                label = f"{r['config']} -> {r['served']}" if r["config"] == "auto" else str(r["config"])
+                print(f"batch {batch:>3}  {label:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
                       f"step {float(r['step_ms']):6.1f} ms  weights {float(r['weight_mb']):6.1f} MB  "  # type: ignore[arg-type]
                       f"bw {100 * float(r['bw_share']):5.1f}%")  # type: ignore[arg-type]
     if args.json:

@@ -110,6 +110,8 @@ class EngineConfig:
     # Weight format (--quantization): None = dense in ``dtype``; a name in engine.models.quant.METHODS quantizes
     # a dense checkpoint at load; "gguf" keeps a .gguf model's own quantized blocks; "compressed-tensors" a
     # pre-quantized checkpoint's codes (auto-detected from its config.json: engine.models.compressed_tensors).
+    # Not given, the torch backend sets it to what it serves: "gguf" for a .gguf model (the default model too)
+    # when --dtype is not given either, except where dense is faster or required (engine.backends.weight_format).
     quantization: str | None = None
 
     def resolve(

@@ -37,7 +37,8 @@ def add_model_flags(p: ServeParser) -> None:
     )
     g.add(
         "--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
-        note="weights and compute dtype (half = float16, float = float32)",
+        note="weights and compute dtype (half = float16, float = float32); on a .gguf model (the default model "
+        "too) a dtype asks for a dense copy instead of the file's own 4-bit blocks",
     )  # fmt: skip
     g.add("--seed", type=int, default=0, note="engine seed for unseeded requests")
     g.refused("--hf-config-path", type=nullable_str, default=None, note="put config.json in the model folder")
@@ -56,9 +57,10 @@ def add_model_flags(p: ServeParser) -> None:
     g.add("--quantization", "-q", type=nullable_str, default=None, choices=[None, *QUANTIZATION_METHODS],
           note="weight-only, online from a dense checkpoint: fp8 (e4m3 per channel), int8 / rtn-int8 (per channel), "
           "int4 (group 32), rtn (4-bit group 128, as vLLM's rtn), int4-g32/64/128; gguf: a .gguf model served "
-          "from its own 4-bit blocks (the default model too); compressed-tensors: an llm-compressor checkpoint "
-          "from its own codes (auto-detected from config.json); nxd backend: int8 / fp8 through NxD's "
-          "per-channel quantization (docs/quantization.md)")  # fmt: skip
+          "from its own 4-bit blocks (the default for a .gguf model, the default model too, on the torch backend on "
+          "a CPU without the fused AVX512-BF16/AMX decoder, when --dtype is not given); compressed-tensors: an "
+          "llm-compressor checkpoint from its own codes (auto-detected from config.json); nxd backend: int8 / fp8 "
+          "through NxD's per-channel quantization (docs/quantization.md)")  # fmt: skip
     g.no_effect("--enforce-eager", action=BOOL, default=False, note=NO_CUDA_GRAPHS)
     g.add("--max-logprobs", type=int, default=20, note="largest logprobs / top_logprobs a request may ask")
     g.refused("--logprobs-mode", default="raw_logprobs", note="nxdserve returns raw logprobs")

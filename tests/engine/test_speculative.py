@@ -298,3 +298,22 @@ def test_bf16_verification_from_the_lm_head_screen_is_lossless(monkeypatch: pyte
     drafted, accepted = spec_counts(spec)
     assert drafted > 0 and accepted > 0
     assert answered and all(answered)
+
+
+@pytest.mark.parametrize("method", ["draft-model", "self-draft"])
+def test_quantized_target_with_a_dense_draft_is_lossless(method: str) -> None:
+    """A 4-bit target (what a .gguf model is served as by default) verifies a dense draft model's drafts (or its
+    own first layer's, sharing the 4-bit layers): greedy output is exactly the plain 4-bit target's."""
+    target = copycat_model()
+    settings = {"model": target, "max_model_len": MAX_LEN, "quantization": "int4", **MODES["chunked"]}
+    plain = make_core(**settings)
+    prompts = prompts_of_lengths(plain, (6, 9, 12))
+    expected = token_ids(run_to_completion(plain, prompts, greedy(16)))
+    core = make_core(**settings, speculative_config=method_config(method, target))
+    assert core.config.quantization == "int4"
+    assert token_ids(run_to_completion(core, prompts, greedy(16))) == expected
+    drafted, accepted = spec_counts(core)
+    assert drafted > 0 and accepted > 0
+    if method == "draft-model":  # the draft stays dense
+        draft_layer = core.proposer.runner.model.layers[0]  # type: ignore[attr-defined]
+        assert isinstance(draft_layer.qkv_weight, torch.Tensor)

@@ -99,3 +99,12 @@ def test_overrides_reach_nxd_and_a_folder_gets_safetensors(tmp_path: Path) -> No
     q_rows = state["layers.0.self_attn.q_proj.weight"].shape[0]
     assert torch.all(qkv.scales[:q_rows] == state["layers.0.self_attn.q_proj.scale"].reshape(()))
     assert all(len(t) == 6 for t in tokens(run(core, PROMPTS, greedy(6))))
+
+
+def test_the_default_model_stays_dense_on_nxd() -> None:
+    """The torch backend serves the default model from its 4-bit blocks by default; NxD reads dense checkpoints,
+    so there the same default (no --quantization, no --dtype) is the dense model, as before."""
+    core = make_core(None, dtype="auto", max_model_len=64, max_num_seqs=2)
+    assert core.backend.name == "nxd" and core.config.quantization is None
+    (out,) = tokens(run(core, PROMPTS[:1], greedy(4)))
+    assert len(out) == 4

@@ -23,6 +23,7 @@ import torch
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.backends.base import Backend
+from nxdserve.engine.backends.weight_format import WeightFormat, default_weight_format
 from nxdserve.engine.models import SlotModelRunner, cpu_setup, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
 from nxdserve.engine.models.compressed_tensors import resolve_quantization
@@ -110,16 +111,17 @@ class TorchBackend(Backend):
             )  # fmt: skip
         self.image_encode_s = 0.0  # seconds spent in the vision encoder (benchmarks read it)
         self.model = self.runner.model
-        if config.quantization is not None:
-            from nxdserve.engine.models.quant import quantize_model
-
-            quantize_model(self.model, config.quantization, _gguf_file(config), checkpoint=model_path)
-            logger.info("weights: --quantization %s", config.quantization)
+        self.weight_format = default_weight_format(
+            config, _gguf_file(config), self.device, self.dtype, self.kernel_path, self.vlm is not None
+        )
+        config.quantization = self._quantize(config, model_path, self.weight_format)
         logger.info(
-            "torch backend: %s on %s in %s, %d slots x %d positions (KV cache %.0f MiB in %s), loaded in %.1f s",
+            "torch backend: %s on %s in %s (weights: %s), %d slots x %d positions (KV cache %.0f MiB in %s), "
+            "loaded in %.1f s",
             self.model.spec.model_type,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            config.quantization or "dense",
             config.max_num_seqs,
             config.max_model_len,
             self.runner.kv_cache.nbytes / 2**20,
@@ -155,6 +157,28 @@ class TorchBackend(Backend):
             else None
         )
         self._warm_up()
+
+    def _quantize(self, config: EngineConfig, model_path: Path, chosen: WeightFormat) -> str | None:
+        """Put ``chosen``'s quantized linears in place of the loaded dense ones; returns the format served. A
+        default choice whose file turns out to hold linears in a type not served quantized stays dense."""
+        if chosen.quantization is None:
+            if config.dtype == "auto" and _gguf_file(config) is not None:
+                logger.info("weights: dense %s (%s)", str(self.dtype).removeprefix("torch."), chosen.reason)
+            return None
+        from nxdserve.engine.models.quant import quantize_model
+
+        try:
+            quantize_model(self.model, chosen.quantization, _gguf_file(config), checkpoint=model_path)
+        except ConfigError as exc:
+            if not chosen.by_default:
+                raise
+            logger.info("weights: dense %s, not the file's blocks: %s", str(self.dtype).removeprefix("torch."), exc)
+            return None
+        if chosen.by_default:
+            logger.info("weights: --quantization %s by default: %s", chosen.quantization, chosen.reason)
+        else:
+            logger.info("weights: --quantization %s", chosen.quantization)
+        return chosen.quantization
 
     @property
     def capabilities(self) -> BackendCapabilities:

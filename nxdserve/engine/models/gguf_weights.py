@@ -15,6 +15,7 @@ transformers does when it loads a GGUF (``_reverse_permute``), which moves whole
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +81,20 @@ def _reverse_permute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def load_quantized_linears(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantLinear]:
-    """``{"layers.{i}.{attr}" | "lm_head": QuantLinear}`` for every linear the file holds in a served format."""
+    """``{"layers.{i}.{attr}" | "lm_head": QuantLinear}`` for every linear the file holds in a served format.
+    Kept per process by the file's identity (the default model is served from its blocks by default, and
+    reading them takes seconds, most of it the reader parsing the tokenizer's metadata): engines built on the
+    same file share the ``QuantLinear``s, which nothing changes after they are made."""
+    stat = path.stat()
+    return dict(_cached_linears(str(path.resolve()), stat.st_size, stat.st_mtime_ns, num_heads, num_kv_heads))
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_linears(path: str, _size: int, _mtime_ns: int, num_heads: int, num_kv_heads: int) -> dict[str, QuantLinear]:
+    return _read_quantized_linears(Path(path), num_heads, num_kv_heads)
+
+
+def _read_quantized_linears(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantLinear]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
