@@ -611,6 +611,7 @@ class LoraArgs(ctypes.Structure):
         *_fields("S rmax N", _i64), *_fields("out", _p), *_fields("os", _i64), ("nthreads", _i32),
     ]  # fmt: skip
     keep: tuple[torch.Tensor | None, ...]  # the tensors the pointers point into, alive as long as the args
+    dtype: torch.dtype  # theirs: x and out must have it
 
 
 STRUCTS["nxd_lora_args"] = LoraArgs
@@ -636,7 +637,7 @@ def lora_args(
     args.K, args.N, args.S, args.rmax = fan_in, fan_out, parts, rmax
     args.a, args.b, args.ranks, args.starts = a.data_ptr(), b_t.data_ptr(), ranks.data_ptr(), starts.data_ptr()
     args.scale = None if scale is None else scale.data_ptr()
-    args.keep = (a, b_t, ranks, starts, scale)
+    args.keep, args.dtype = (a, b_t, ranks, starts, scale), a.dtype
     return args
 
 
@@ -646,6 +647,8 @@ def lora_add(args: LoraArgs, out: torch.Tensor, x: torch.Tensor, idx: torch.Tens
     (the forward calls it per linear and layer): the caller guarantees the shapes."""
     lib = _library()
     assert lib is not None and x.stride(1) == 1 and out.stride(1) == 1
+    if x.dtype != args.dtype or out.dtype != args.dtype:
+        raise TypeError(f"lora_add: x {x.dtype} and out {out.dtype} must be the adapters' {args.dtype}")
     args.x, args.M, args.xs = x.data_ptr(), x.shape[0], x.stride(0)
     args.idx, args.out, args.os = idx.data_ptr(), out.data_ptr(), out.stride(0)
     args.nthreads = torch.get_num_threads()
