@@ -170,3 +170,13 @@ def test_stack_kernel_in_bf16(spec: ModelSpec) -> None:
     scale = float(expected.abs().max())
     for delta in deltas:
         assert (delta - expected).abs().max().item() <= 0.01 * scale
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS, indirect=True)
+def test_kernel_refuses_activations_of_another_dtype(path: str) -> None:
+    a, b_t = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
+    args = cpu_kernels.lora_args(a, b_t, torch.tensor([4], dtype=torch.int32), torch.tensor([0, 8]))
+    out = torch.zeros(1, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"adapters' torch\.float32"):
+        cpu_kernels.lora_add(args, out, torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32))
+    assert not out.any()
