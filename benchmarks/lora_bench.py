@@ -2,6 +2,7 @@
 
     python benchmarks/lora_bench.py                      # both workloads, the default model
     python benchmarks/lora_bench.py --max-tokens 64 --repeats 3 --out lora_bench.json
+    python benchmarks/lora_bench.py --dtype float32 --quantization gguf   # LoRA over a quantized base
 
 Workloads (greedy, ignore_eos, on the engine core):
 - batch: 32 concurrent requests spread over 4 adapters and the base model (round-robin) against 32 on the
@@ -86,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded default model)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="the base model's (e.g. gguf): LoRA over it")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -97,9 +99,11 @@ def main() -> None:
     model = resolve_model(args.model, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(model, Path(tmp), args.rank)
-        config = EngineConfig(model=str(model), backend="torch", dtype=args.dtype, max_model_len=512,
+        # gguf quantizes from the .gguf file itself: the default model's when --model is not given.
+        engine_model = None if args.model is None and args.quantization == "gguf" else str(model)
+        config = EngineConfig(model=engine_model, backend="torch", dtype=args.dtype, max_model_len=512,
                               max_num_seqs=args.concurrency, enable_lora=True, max_loras=NUM_ADAPTERS,
-                              max_lora_rank=args.rank)
+                              max_lora_rank=args.rank, quantization=args.quantization)
         core, _ = build_engine_core(config, with_metrics=False)
         assert core.lora is not None
         names = []
@@ -140,8 +144,8 @@ def main() -> None:
         m = r["median"]
         print(f"{workload:<10}{m['base']['tok_s']:>12.1f}{m['lora']['tok_s']:>12.1f}{r['ratio_wall']:>8.2f}"
               f"{r['ratio_cpu']:>11.2f}{r['target']:>8.2f}")
-    meta = {"model": str(model), "dtype": args.dtype, "rank": args.rank, "max_tokens": args.max_tokens,
-            "concurrency": n, "repeats": args.repeats, "adapters": NUM_ADAPTERS}
+    meta = {"model": str(model), "dtype": args.dtype, "quantization": args.quantization, "rank": args.rank,
+            "max_tokens": args.max_tokens, "concurrency": n, "repeats": args.repeats, "adapters": NUM_ADAPTERS}
     Path(args.out).write_text(json.dumps({"config": meta, "results": results}, indent=2))
 
 

@@ -33,6 +33,7 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
 #include "decode.c"
 #include "greedy_head.c"
 #include "qgemm.c"
+#include "lora.c"
 
 #define NXD_FIELD(T, F) {#T, #F, (int64_t)offsetof(T, F), (int64_t)sizeof(((T*)0)->F)}
 #define NXD_SIZE(T) {#T, NULL, 0, (int64_t)sizeof(T)}
@@ -86,6 +87,14 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_qgemm_args, offset), NXD_FIELD(nxd_qgemm_args, res), NXD_FIELD(nxd_qgemm_args, rs),
     NXD_FIELD(nxd_qgemm_args, N), NXD_FIELD(nxd_qgemm_args, out), NXD_FIELD(nxd_qgemm_args, os),
     NXD_FIELD(nxd_qgemm_args, format), NXD_FIELD(nxd_qgemm_args, nthreads),
+
+    NXD_SIZE(nxd_lora_args),
+    NXD_FIELD(nxd_lora_args, x), NXD_FIELD(nxd_lora_args, M), NXD_FIELD(nxd_lora_args, K),
+    NXD_FIELD(nxd_lora_args, xs), NXD_FIELD(nxd_lora_args, idx), NXD_FIELD(nxd_lora_args, a),
+    NXD_FIELD(nxd_lora_args, b), NXD_FIELD(nxd_lora_args, scale), NXD_FIELD(nxd_lora_args, ranks),
+    NXD_FIELD(nxd_lora_args, starts), NXD_FIELD(nxd_lora_args, S), NXD_FIELD(nxd_lora_args, rmax),
+    NXD_FIELD(nxd_lora_args, N),
+    NXD_FIELD(nxd_lora_args, out), NXD_FIELD(nxd_lora_args, os), NXD_FIELD(nxd_lora_args, nthreads),
 };
 
 const nxd_field_layout* nxd_struct_layouts(int64_t* count) {

@@ -170,6 +170,30 @@ typedef struct nxd_qgemm_args {
 
 void qgemm_f32(const nxd_qgemm_args* a);
 
+/* ---- lora.c: multi-LoRA shrink + expand of one linear, each row on its own adapter ------------------------ */
+/* x (M, K), row m at x + m*xs; idx[m]: row m's adapter (-1: none, its out row untouched); a (n_adapters, S*rmax,
+   K) and b = B transposed (n_adapters, rmax, N), both contiguous, for S packed modules whose output columns are
+   starts[p]..starts[p+1] (S+1 entries, starts[S] = N); adapter i reads only the first ranks[i] (<= rmax) rows of
+   each module's rmax in a and of b; scale (n_adapters) or NULL (1). out (M, N), row m at out + m*os, gets
+   += scale * B A x in place. */
+typedef struct nxd_lora_args {
+    const void* x;
+    int64_t M, K, xs;
+    const int32_t* idx;
+    const void* a;
+    const void* b;
+    const float* scale;
+    const int32_t* ranks;
+    const int64_t* starts;
+    int64_t S, rmax, N;
+    void* out;
+    int64_t os;
+    int32_t nthreads;
+} nxd_lora_args;
+
+void lora_add_bf16(const nxd_lora_args* a);
+void lora_add_f32(const nxd_lora_args* a);
+
 /* ---- kernels.c: the layout check ---------------------------------------------------------------------------- */
 /* One entry per field of every struct above (field = its name), plus one per struct with field NULL and size
    = sizeof(struct). */

@@ -18,6 +18,13 @@ leaves out the (layer, linear) pairs none of them targets, which then cost nothi
 its own rows (the grouped GEMMs make every token pay for all K blocks): measured on SmolLM2-135M's shapes,
 K=4 + base rows, one thread, LoRA time per step per-adapter/grouped 0.98 at 16 tokens, 0.85 at 32, 0.67 at 64,
 1.07-1.10 at 5-8.
+
+On the CPU with the C kernels (``cpu_kernels.available()``), steps of up to ``KERNEL_MAX_TOKENS`` tokens run
+instead one fused call per linear (``csrc/lora.c``, punica's BGMV idea): each row runs its own adapter's shrink
+(the packed modules sharing one pass over x) and expand, reading only its adapter's own rank, straight from the
+resident buffers: A as above, and B kept a second time transposed per module, ``b_t`` (layers, max_loras, r, out),
+written when an adapter is loaded. So that path gathers nothing per step, and a step costs each row one adapter's
+flops whatever the mix (the grouped GEMMs: all K adapters'), in one call per linear instead of two GEMMs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from nxdserve.engine.models import cpu_kernels
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.errors import LoRAAdapterError
 from nxdserve.lora.adapter import TARGETS, LoraAdapter
@@ -36,6 +44,9 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 # expand, index_add: 4 ops per adapter) instead of the grouped GEMMs over every row, whose flops and weight reads
 # grow with K (each token pays for all K adapters' blocks, then masks K-1 of them away).
 PER_ADAPTER_MIN_TOKENS = 16
+# Up to this many tokens, a step on the CPU runs the fused C kernel per linear (see the module docstring);
+# longer steps (prefill chunks) keep torch's GEMMs, whose blocking reuses each weight across many rows.
+KERNEL_MAX_TOKENS = 64
 Operands = tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor] | None]]
 
 
@@ -67,10 +78,29 @@ class LoraStack:
             width = (len(starts) - 1) * r
             self.a[linear] = torch.zeros(n, max_loras, width, fan_in, dtype=dtype, device=device)
             self.b[linear] = torch.zeros(n, max_loras, fan_out, width, dtype=dtype, device=device)
+        # The kernel's operands, where it can run: B transposed per module (layers, max_loras, r, out), each
+        # slot's rank, and the args of every (layer, linear), pointing into these buffers.
+        self.b_t: dict[str, torch.Tensor] = {}
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32)
+        self.kernel_args: list[dict[str, cpu_kernels.LoraArgs]] = []
+        self.use_kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        if self.use_kernel:
+            for linear, (_, fan_out, _) in self.layout.items():
+                self.b_t[linear] = torch.zeros(n, max_loras, r, fan_out, dtype=dtype, device=device)
+            bounds = {linear: torch.tensor(layout[2], dtype=torch.int64) for linear, layout in self.layout.items()}
+            self.kernel_args = [
+                {
+                    linear: cpu_kernels.lora_args(self.a[linear][layer], self.b_t[linear][layer], self.ranks,
+                                                  bounds[linear])
+                    for linear in LINEARS
+                }
+                for layer in range(n)
+            ]  # fmt: skip
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter int id -> buffer slot, oldest first
         self.slot_rank = [0] * max_loras  # the rank written in each slot: columns past it are zeros
         self.slot_targets: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]  # (layer, linear)
         self._gathered: tuple[tuple[int, ...], list[dict[str, Operands]]] | None = None
+        self._kernel_targets: tuple[tuple[int, ...], list[dict[str, cpu_kernels.LoraArgs]]] | None = None
 
     # -- residency ---------------------------------------------------------------------------------
     def slot_for(self, adapter: LoraAdapter, in_use: set[int]) -> int:
@@ -105,17 +135,35 @@ class LoraStack:
         for linear in LINEARS:
             self.a[linear][:, slot].zero_()
             self.b[linear][:, slot].zero_()
+            if linear in self.b_t:
+                self.b_t[linear][:, slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
             linear, part = TARGETS[module]
             starts = self.layout[linear][2]
             cols = slice(part * r, part * r + adapter.rank)
             self.a[linear][layer, slot, cols] = a.to(self.a[linear].dtype)
             self.b[linear][layer, slot, starts[part] : starts[part + 1], cols] = b.to(self.b[linear].dtype)
+            if linear in self.b_t:
+                b_t = self.b_t[linear][layer, slot, : adapter.rank, starts[part] : starts[part + 1]]
+                b_t.copy_(b.t().to(b_t.dtype))
         self.slot_rank[slot] = adapter.rank
+        self.ranks[slot] = adapter.rank
         self.slot_targets[slot] = {(layer, TARGETS[module][0]) for layer, module in adapter.weights}
-        self._gathered = None  # the slot's contents changed
+        self._gathered = self._kernel_targets = None  # the slot's contents changed
 
     # -- one step ----------------------------------------------------------------------------------
+    def _kernel_step(self, token_slots: np.ndarray, key: tuple[int, ...]) -> LoraStep:
+        """The fused kernel's step: the (layer, linear) pairs some active adapter targets, each token's slot."""
+        if self._kernel_targets is None or self._kernel_targets[0] != key:
+            targeted = set().union(*(self.slot_targets[s] for s in key))
+            per_layer = [{linear: args for linear, args in layer_args.items() if (layer, linear) in targeted}
+                         for layer, layer_args in enumerate(self.kernel_args)]  # fmt: skip
+            self._kernel_targets = (key, per_layer)
+        rows = torch.from_numpy(token_slots.astype(np.int32))  # the slots index the buffers directly
+        step = LoraStep([], None, len(key), kernel=(self._kernel_targets[1], rows))
+        step.num_tokens = token_slots.shape[0]
+        return step
+
     def step(self, token_slots: np.ndarray) -> LoraStep | None:
         """``token_slots`` (T,): each token's buffer slot, -1 for base-model tokens. None: no adapter token."""
         on = token_slots >= 0
@@ -123,6 +171,9 @@ class LoraStack:
             return None
         active = np.unique(token_slots[on])
         key = tuple(active.tolist())
+        kernel = self.use_kernel and bool(self.kernel_args) and cpu_kernels.available()
+        if kernel and token_slots.shape[0] <= KERNEL_MAX_TOKENS:
+            return self._kernel_step(token_slots, key)
         if self._gathered is None or self._gathered[0] != key:
             index = torch.from_numpy(active).to(self.a["qkv"].device)
             # Only the columns up to the largest active rank (the rest are zero padding: reading them would cost
@@ -178,7 +229,10 @@ class LoraStep:
         one_hot: torch.Tensor | None,
         num_adapters: int,
         rows: list[torch.Tensor] | None = None,
+        kernel: tuple[list[dict[str, cpu_kernels.LoraArgs]], torch.Tensor] | None = None,
     ) -> None:
+        # The fused kernel's step (weights then unused): each layer's targeted linears' args, each token's slot.
+        self.kernel = kernel
         self.weights = weights  # [layer][linear] = (A (in, K*S*r), B (K*S*r, out), per adapter); targeted only
         self.one_hot = one_hot  # (T, K) for the grouped path with several adapters; else None
         self.num_adapters = num_adapters
@@ -189,6 +243,13 @@ class LoraStep:
     def add(self, out: torch.Tensor, layer: int, linear: str, x: torch.Tensor) -> torch.Tensor:
         """``out += B (A x)`` with each token's own adapter, for ``linear`` of ``layer``. ``out`` must be a fresh
         tensor (a linear's output): it is updated in place and returned."""
+        if self.kernel is not None:
+            args = self.kernel[0][layer].get(linear)
+            if args is not None:
+                rows, t = self.kernel[1], x.shape[0]
+                x = x if x.stride(-1) == 1 else x.contiguous()
+                cpu_kernels.lora_add(args, out, x, rows if t == self.num_tokens else rows[:t])
+            return out
         operands = self.weights[layer].get(linear)
         if operands is None:  # no active adapter targets it
             return out

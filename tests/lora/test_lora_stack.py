@@ -43,6 +43,7 @@ def test_trimmed_and_skipped_step_adds_each_tokens_adapter(spec: ModelSpec, num_
     attn = _adapter(spec, 1, 4, ("q_proj", "v_proj"), range(spec.num_layers))
     mlp_first_layer = _adapter(spec, 2, 8, ("gate_proj", "down_proj"), range(1))
     stack = LoraStack(spec, 3, 16, torch.float32, torch.device("cpu"))
+    stack.use_kernel = False  # the torch GEMM paths; tests/lora/test_lora_kernel.py covers the fused kernel
     slots = {a.int_id: stack.slot_for(a, set()) for a in (attn, mlp_first_layer)}
     by_slot = {slots[1]: attn, slots[2]: mlp_first_layer, -1: None}
     token_slots = np.array([[slots[1], -1, slots[2], slots[1], slots[2]][i % 5] for i in range(num_tokens)])

@@ -23,6 +23,7 @@ KERNEL_TESTS = [
     "tests/unit/test_gemm.py",
     "tests/unit/test_fused_decode.py",
     "tests/unit/test_greedy_head.py",
+    "tests/lora/test_lora_kernel.py",
 ]
 RUNNER = """
 import sys

@@ -256,6 +256,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "nxd_decode_args": DecodeArgs,
     "nxd_greedy_head_args": GreedyHeadArgs,
 }
+# (LoraArgs, appended below with its wrapper, registers itself here and in _SIGNATURES.)
 
 
 class _FieldLayout(ctypes.Structure):
@@ -665,3 +666,56 @@ def qgemm(
 ) -> torch.Tensor:
     """``x (M, K) @ W^T [+ residual]`` in fp32 for a quantized W (``QgemmWeight`` says the formats)."""
     return QgemmWeight(codes, scale, offset, fmt)(x, residual)
+
+
+# -- multi-LoRA (csrc/lora.c) -----------------------------------------------------------------------------------
+
+
+class LoraArgs(ctypes.Structure):
+    _fields_ = [
+        *_fields("x", _p), *_fields("M K xs", _i64), *_fields("idx a b scale ranks starts", _p),
+        *_fields("S rmax N", _i64), *_fields("out", _p), *_fields("os", _i64), ("nthreads", _i32),
+    ]  # fmt: skip
+    keep: tuple[torch.Tensor | None, ...]  # the tensors the pointers point into, alive as long as the args
+    dtype: torch.dtype  # theirs: x and out must have it
+
+
+STRUCTS["nxd_lora_args"] = LoraArgs
+_SIGNATURES["lora_add"] = ([ctypes.POINTER(LoraArgs)], None)
+
+
+def lora_args(
+    a: torch.Tensor, b_t: torch.Tensor, ranks: torch.Tensor, starts: torch.Tensor, scale: torch.Tensor | None = None
+) -> LoraArgs:
+    """The args of ``lora_add`` for one linear's stacked adapters, built once (the per-call fields, x/idx/out, are
+    set by ``lora_add``): ``a`` (n_adapters, S*rmax, in) and ``b_t`` = B transposed (n_adapters, rmax, out),
+    contiguous, adapter i using the first ``ranks[i]`` (int32, <= rmax) rows of each module's rmax; ``starts``
+    (S+1,) int64, the packed modules' output column bounds; ``scale`` (n_adapters,) fp32 or None (scales folded
+    into B). The args hold the tensors; their contents may change between calls (adapters loaded in place)."""
+    n, width, fan_in = a.shape
+    rmax, fan_out = b_t.shape[1], b_t.shape[2]
+    parts = starts.shape[0] - 1
+    assert a.is_contiguous() and b_t.is_contiguous() and starts.is_contiguous() and starts.dtype == torch.int64
+    assert b_t.shape[0] == n and width == parts * rmax and int(starts[-1]) == fan_out and a.dtype == b_t.dtype
+    assert ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (n,)
+    assert scale is None or (scale.dtype == torch.float32 and scale.is_contiguous() and scale.shape == (n,))
+    args = LoraArgs()
+    args.K, args.N, args.S, args.rmax = fan_in, fan_out, parts, rmax
+    args.a, args.b, args.ranks, args.starts = a.data_ptr(), b_t.data_ptr(), ranks.data_ptr(), starts.data_ptr()
+    args.scale = None if scale is None else scale.data_ptr()
+    args.keep, args.dtype = (a, b_t, ranks, starts, scale), a.dtype
+    return args
+
+
+def lora_add(args: LoraArgs, out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor) -> None:
+    """``out[m] += scale B A x[m]`` with row m's own adapter ``idx[m]`` (int32, contiguous; -1: none), in place,
+    for CPU ``x`` (M, in) and ``out`` (M, out) in the args' dtype (bf16/fp32) with contiguous rows. Kept lean
+    (the forward calls it per linear and layer): the caller guarantees the shapes."""
+    lib = _library()
+    assert lib is not None and x.stride(1) == 1 and out.stride(1) == 1
+    if x.dtype != args.dtype or out.dtype != args.dtype:
+        raise TypeError(f"lora_add: x {x.dtype} and out {out.dtype} must be the adapters' {args.dtype}")
+    args.x, args.M, args.xs = x.data_ptr(), x.shape[0], x.stride(0)
+    args.idx, args.out, args.os = idx.data_ptr(), out.data_ptr(), out.stride(0)
+    args.nthreads = torch.get_num_threads()
+    (lib.lora_add_bf16 if x.dtype == torch.bfloat16 else lib.lora_add_f32)(ctypes.byref(args))
