@@ -79,21 +79,23 @@ def sample() -> tuple[list[int], torch.Tensor]:
     return ids, format_logits("bf16", ids)
 
 
-def test_fp8_within_one_percent_of_bf16_perplexity(sample: tuple[list[int], torch.Tensor]) -> None:
-    """The default suite's bound check: fp8, the format whose scales the bound decided (per row measured 1.9%)."""
+def test_int8_within_one_percent_of_bf16_perplexity(sample: tuple[list[int], torch.Tensor]) -> None:
+    """The default suite's bound check (int8: the cheapest format to build; the others are in the slow test)."""
     ids, reference = sample
-    logits = format_logits("fp8", ids)
+    logits = format_logits("int8", ids)
     assert abs(perplexity(logits, ids) / perplexity(reference, ids) - 1) < 0.01
     assert top1_agreement(logits, reference) > 0.9
 
 
-@pytest.mark.slow  # about a minute: five quantized default models
+@pytest.mark.slow  # minutes: the scale searches over a whole model, six quantized default models
 def test_each_format_within_its_perplexity_bound(sample: tuple[list[int], torch.Tensor]) -> None:
-    """int8 and fp8 within 1% of the bf16 model's perplexity, the 4-bit default (group 32) and the file's own
-    GGUF blocks within 10%; at group 128 the scale search beats plain round-to-nearest (``rtn``)."""
+    """fp8 within 1% of the bf16 model's perplexity (per-row scales measured 1.9%), the 4-bit default (group 32)
+    and the file's own GGUF blocks within 10%; at groups of 64 and 128 the scale search beats plain
+    round-to-nearest (``rtn`` is group 128)."""
     ids, reference = sample
     ref = perplexity(reference, ids)
-    ppl = {fmt: perplexity(format_logits(fmt, ids), ids) for fmt in ("int8", "int4", "gguf", "int4-g128", "rtn")}
-    for fmt, bound in (("int8", 0.01), ("int4", 0.10), ("gguf", 0.10)):
+    formats = ("fp8", "int4", "gguf", "int4-g128", "rtn")
+    ppl = {fmt: perplexity(format_logits(fmt, ids), ids) for fmt in formats}
+    for fmt, bound in (("fp8", 0.01), ("int4", 0.10), ("gguf", 0.10)):
         assert abs(ppl[fmt] / ref - 1) < bound, (fmt, ppl[fmt], ref)
     assert ppl["int4-g128"] < ppl["rtn"]
