@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,11 +12,9 @@ from nxdserve.config import EngineConfig
 from nxdserve.engine.models import quant
 from nxdserve.engine.models.gguf_weights import decode_4bit, decode_q8_0
 from nxdserve.engine.models.llama import LlamaFamilyModel
-from nxdserve.engine.models.perplexity import next_token_logits, perplexity
+from nxdserve.engine.models.perplexity import next_token_logits
 from nxdserve.errors import ConfigError
 from tests.helpers.tiny_model import tiny_model_path
-
-SAMPLE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "ppl_sample.txt"
 
 
 @pytest.fixture
@@ -157,24 +154,6 @@ def test_default_gguf_served_from_its_blocks_gives_the_expanded_logits(exact_ker
 
 def quant_attrs() -> tuple[str, ...]:
     return LlamaFamilyModel.QUANTIZABLE
-
-
-@pytest.mark.slow
-def test_perplexity_bounds_on_the_shipped_sample() -> None:
-    """Perplexity of each format on benchmarks/data/ppl_sample.txt vs the dense fp32 model (served kernels)."""
-    from transformers import AutoTokenizer
-
-    from nxdserve.model_files import resolve_model
-
-    ids = AutoTokenizer.from_pretrained(str(resolve_model(None)))(SAMPLE.read_text())["input_ids"]
-    assert 300 <= len(ids) <= 512
-    ref_logits = next_token_logits(_default_model(None), ids)
-    ref = perplexity(ref_logits, ids)
-    # int8 within 1% and 4-bit within 10%, as the issue asks; fp8 e4m3 per channel measured 1.9% on this
-    # 135M model (its 3 mantissa bits), so its bound is 2.5% (perf_notes.md).
-    for method, bound in (("int8", 0.01), ("fp8", 0.025), ("int4", 0.10), ("gguf", 0.01)):
-        ppl = perplexity(next_token_logits(_default_model(method), ids), ids)
-        assert abs(ppl / ref - 1) < bound, (method, ppl, ref)
 
 
 def test_engine_serves_a_quantized_model_through_the_torch_backend() -> None:
