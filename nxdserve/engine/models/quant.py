@@ -115,11 +115,15 @@ FP8_SCALE_STEPS = 16
 # Candidate 4-bit steps per group: (max - min) / (15 + d), d in this grid (llama.cpp's make_qkx2_quants searches
 # the same span); each candidate's codes then get the least-squares scale and offset.
 INT4_STEP_DELTAS = tuple(d / 5 for d in range(-5, 6))
+# True: ``--quantization fp8`` makes NxD's own codes (per_channel_symmetric: one absmax scale per row, no search),
+# for comparing the torch backend with the nxd one weight for weight (tests).
+fp8_per_channel_absmax = False
 
 
-def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> QuantLinear:
+def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK, search: bool = True) -> QuantLinear:
     """fp8 e4m3 with one scale per ``block`` input columns of each row (per row where ``block`` is 0 or does not
-    divide K), each scale the candidate (``FP8_SCALE_STEPS``) whose codes have the least squared error.
+    divide K), each scale the candidate (``FP8_SCALE_STEPS``) whose codes have the least squared error
+    (``search``; else absmax / 448).
 
     On the default model per-row absmax scales cost 1.9% perplexity, over the issue's 1% bound; 32-column blocks
     with the search measured within it (docs/quantization.md, "Accuracy")."""
@@ -130,7 +134,7 @@ def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> QuantLinear:
     base = (blocks.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-12)
     best_err = torch.full_like(base, float("inf"))
     best_scale = base
-    for step in range(FP8_SCALE_STEPS):
+    for step in range(FP8_SCALE_STEPS if search else 1):
         scale = base * 2.0 ** (step / FP8_SCALE_STEPS)
         err = ((blocks / scale).to(torch.float8_e4m3fn).float() * scale - blocks).square_().sum(dim=2, keepdim=True)
         better = err < best_err
@@ -218,7 +222,7 @@ def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
     if kind == "int8":
         return quantize_int8(weight)
     if kind == "fp8":
-        return quantize_fp8(weight)
+        return quantize_fp8(weight, 0, search=False) if fp8_per_channel_absmax else quantize_fp8(weight)
     return quantize_int4(weight, group, search=method != "rtn")
 
 
