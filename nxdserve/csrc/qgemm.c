@@ -10,7 +10,7 @@
      scale * sum(code * x) + offset * sum(x) with the blocks' sums of x taken once per call, so the inner loop is
      unpack, convert, FMA.
    - q8 (format 1): int8 codes (N, K), scale[n, b]; w = code * scale.
-   - fp8 (format 2): e4m3fn codes (N, K), one scale per row (scale[n]); w = code * scale.
+   - fp8 (format 2): e4m3fn codes (N, K), scale[n, b] (a row scale is repeated per block); w = code * scale.
    Rows of N are shared out to the threads; each thread streams its rows' codes once for all M rows (in tiles of up
    to QT rows of x, whose accumulators stay in registers). */
 
@@ -55,8 +55,8 @@ static inline void fp8_widen(const uint8_t* p, __m256 q[4]) {
 }
 
 /* acc[m] (m < MT) = sum over blocks of scale[b] * (codes . x[m]) for one weight row; MT a constant after
-   inlining, so the accumulators live in registers. fp8 has one scale per row: block_scale NULL, applied later. */
-#define DEFINE_ROW_AVX2(NAME, WIDEN, BYTES, SCALED)                                                                \
+   inlining, so the accumulators live in registers. */
+#define DEFINE_ROW_AVX2(NAME, WIDEN, BYTES)                                                                \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
                                                        const float* x, int64_t xs, int64_t nb, int MT,         \
                                                        float* out) {                                           \
@@ -72,15 +72,14 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
             dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), dot);                                         \
             dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), dot);                                        \
             dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), dot);                                        \
-            acc[m] = (SCALED) ? _mm256_fmadd_ps(dot, _mm256_broadcast_ss(block_scale + b), acc[m])          \
-                                 : _mm256_add_ps(dot, acc[m]);                                                 \
+            acc[m] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(block_scale + b), acc[m]);                     \
         }                                                                                                      \
     }                                                                                                          \
     for (int m = 0; m < MT; m++) out[m] = q_hsum(acc[m]);                                                      \
 }
-DEFINE_ROW_AVX2(q4_row, q4_widen, 16, 1)
-DEFINE_ROW_AVX2(q8_row, q8_widen, 32, 1)
-DEFINE_ROW_AVX2(fp8_row_dot, fp8_widen, 32, 0)
+DEFINE_ROW_AVX2(q4_row, q4_widen, 16)
+DEFINE_ROW_AVX2(q8_row, q8_widen, 32)
+DEFINE_ROW_AVX2(fp8_row, fp8_widen, 32)
 #define FP8_ROW_UNIT (256.f) /* fp8_widen's values are value / 256 */
 
 #else /* portable C: a block's codes widened into a float[32], then plain loops GCC vectorises (-ffast-math) */
@@ -95,7 +94,7 @@ static inline void fp8_widen(const uint8_t* p, float q[QB]) {
     for (int i = 0; i < QB; i++) q[i] = E4M3(p[i]);
 }
 
-#define DEFINE_ROW_C(NAME, WIDEN, BYTES, SCALED)                                                                   \
+#define DEFINE_ROW_C(NAME, WIDEN, BYTES)                                                                   \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
                                                        const float* x, int64_t xs, int64_t nb, int MT,         \
                                                        float* out) {                                           \
@@ -107,19 +106,19 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
             const float* xm = x + m * xs + b * QB;                                                             \
             float dot = 0.f;                                                                                   \
             for (int i = 0; i < QB; i++) dot += q[i] * xm[i];                                                  \
-            acc[m] += (SCALED) ? block_scale[b] * dot : dot;                                                \
+            acc[m] += block_scale[b] * dot;                                                                  \
         }                                                                                                      \
     }                                                                                                          \
     for (int m = 0; m < MT; m++) out[m] = acc[m];                                                              \
 }
-DEFINE_ROW_C(q4_row, q4_widen, 16, 1)
-DEFINE_ROW_C(q8_row, q8_widen, 32, 1)
-DEFINE_ROW_C(fp8_row_dot, fp8_widen, 32, 0)
+DEFINE_ROW_C(q4_row, q4_widen, 16)
+DEFINE_ROW_C(q8_row, q8_widen, 32)
+DEFINE_ROW_C(fp8_row, fp8_widen, 32)
 #define FP8_ROW_UNIT (1.f)
 #endif
 
 /* One weight row against MT rows of x: dot[m] for m < MT. A switch to constant MT so each tile size gets its own
-   unrolled body. (fp8's scale is per row: its rows take no block scales.) */
+   unrolled body. */
 #define DISPATCH_MT(ROW, wr, bs, x, xs, nb, mt, dot)                                                        \
     switch (mt) {                                                                                            \
         case 1: ROW(wr, bs, x, xs, nb, 1, dot); break;                                                       \
@@ -155,7 +154,7 @@ void qgemm_f32(const nxd_qgemm_args* a) {
     _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 32)")
     for (int64_t n = 0; n < N; n++) {
         const uint8_t* wr = a->w + n * row_bytes;
-        const float* bs = fmt == 2 ? NULL : a->scale + n * nb;
+        const float* bs = a->scale + n * nb;
         for (int64_t m0 = 0; m0 < M; m0 += QT) {
             const int mt = (int)(M - m0 < QT ? M - m0 : QT);
             const float* x = a->x + m0 * xs;
@@ -172,8 +171,8 @@ void qgemm_f32(const nxd_qgemm_args* a) {
             } else if (fmt == 1) {
                 DISPATCH_MT(q8_row, wr, bs, x, xs, nb, mt, dot);
             } else {
-                DISPATCH_MT(fp8_row_dot, wr, bs, x, xs, nb, mt, dot);
-                for (int m = 0; m < mt; m++) dot[m] *= a->scale[n] * FP8_ROW_UNIT;
+                DISPATCH_MT(fp8_row, wr, bs, x, xs, nb, mt, dot);
+                for (int m = 0; m < mt; m++) dot[m] *= FP8_ROW_UNIT;
             }
             for (int m = 0; m < mt; m++) {
                 float v = dot[m];

@@ -11,6 +11,7 @@ import torch
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.backends.nxd.neuron_config import default_neuron_config, draft_neuron_config
+from nxdserve.engine.models import quant
 from nxdserve.engine.models.quant import QuantLinear
 from nxdserve.errors import ConfigError
 from tests.helpers.tiny_model import tiny_model_path
@@ -55,7 +56,7 @@ def test_a_compressed_tensors_checkpoint_is_refused_on_nxd() -> None:
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantized_model_runs_through_the_emulator_as_on_torch(method: str) -> None:
+def test_quantized_model_runs_through_the_emulator_as_on_torch(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from neuronx_distributed_inference.models import application_base
 
     before = len(application_base.SAVE_QUANTIZED_LOG)
@@ -72,6 +73,8 @@ def test_quantized_model_runs_through_the_emulator_as_on_torch(method: str) -> N
     down = core.backend.app.target.model.layers[1].down_weight
     assert isinstance(down, QuantLinear) and down.kind == method  # the emulated model computes with the codes
     nxd_tokens = tokens(run(core, PROMPTS, greedy(8)))
+    # NxD's per-channel absmax codes on torch too (torch's own fp8 default has searched 32-column block scales).
+    monkeypatch.setattr(quant, "fp8_per_channel_absmax", True)
     torch_core = make_core(model, "torch", quantization=method, max_model_len=64)
     assert nxd_tokens == tokens(run(torch_core, PROMPTS, greedy(8)))  # the same per-channel weights as on torch
     dense = make_core(model, "nxd", max_model_len=64)

@@ -74,8 +74,8 @@ def test_kernel_equals_the_dense_fp32_expansion(kernel_path: str, fmt: str, thre
                 dense = (weight.float().view(N, -1, 32) * scales[..., None]).view(N, k)
             else:
                 weight = (torch.randn(N, k, generator=gen) * 100).to(torch.float8_e4m3fn)
-                scales, offsets = torch.rand(N, generator=gen) * 0.01, None
-                dense = weight.float() * scales[:, None]
+                scales, offsets = torch.rand(N, k // 32, generator=gen) * 0.01, None
+                dense = (weight.float().view(N, -1, 32) * scales[..., None]).view(N, k)
             for rows in ROWS:
                 x = torch.randn(rows, k, generator=gen)
                 residual = torch.randn(rows, N, generator=gen)

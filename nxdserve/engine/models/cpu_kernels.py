@@ -621,7 +621,7 @@ class QgemmWeight:
     sets only the activations' fields on a copy (a decode step makes ~120 of these calls; each costs ~6 us of Python).
 
     ``fmt`` "q4": codes uint8 (N, K/2) in GGUF's nibble order, scale and offset fp32 (N, K/32); "q8": codes int8
-    (N, K), scale (N, K/32); "fp8": codes float8_e4m3fn / uint8 (N, K), scale (N,). K a multiple of 32."""
+    (N, K), scale (N, K/32); "fp8": codes float8_e4m3fn / uint8 (N, K), scale (N, K/32). K a multiple of 32."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, fmt: str) -> None:
         n = codes.shape[0]

@@ -1,0 +1,69 @@
+"""Accuracy of each weight format on the default model: perplexity and greedy agreement against bf16.
+
+For each format in ``perplexity.FORMATS`` (the dense bf16 and fp32 models, and the fp32 model quantized with
+each online ``--quantization`` method and with ``gguf``, as served: PyTorch's weight-only kernels get bf16
+activations), computes the logits over the shipped sample ``benchmarks/data/ppl_sample.txt`` in one prefill
+and reports its perplexity, the change against the bf16 model's (the issue's reference) and the fp32 model's,
+and the teacher-forced greedy (top-1) agreement with each. Prints a table and writes JSON.
+
+    PYTHONPATH=$PWD python benchmarks/quant_accuracy.py [--formats bf16 fp32 int8 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from nxdserve.engine.models.perplexity import FORMATS, format_logits, perplexity, sample_token_ids, top1_agreement
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    ids = sample_token_ids()
+    logits: dict[str, torch.Tensor] = {}
+    seconds: dict[str, float] = {}
+    print(f"default model, {len(ids)} tokens of benchmarks/data/ppl_sample.txt")
+    header = ("format", "ppl", "vs bf16", "vs fp32", "top1=bf16", "top1=fp32", "build+run s")
+    print(f"{header[0]:10s}", *(f"{h:>9s}" for h in header[1:]), flush=True)
+    rows = []
+    for fmt in dict.fromkeys(["bf16", "fp32", *args.formats]):  # the two references first
+        start = time.perf_counter()
+        logits[fmt] = format_logits(fmt, ids)
+        seconds[fmt] = time.perf_counter() - start
+        if fmt == "bf16":
+            continue
+        for done in ["bf16", fmt] if fmt == "fp32" else [fmt]:  # bf16's row needs fp32's logits
+            rows.append(_row(done, logits, ids, seconds[done]))
+            print(_line(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens": len(ids), "sample": "benchmarks/data/ppl_sample.txt", "rows": rows}, f, indent=2)
+
+
+def _row(fmt: str, logits: dict[str, torch.Tensor], ids: list[int], seconds: float) -> dict[str, float | str]:
+    ppl, bf16, fp32 = (perplexity(logits[f], ids) for f in (fmt, "bf16", "fp32"))
+    return {
+        "format": fmt,
+        "perplexity": ppl,
+        "delta_vs_bf16": ppl / bf16 - 1,
+        "delta_vs_fp32": ppl / fp32 - 1,
+        "top1_agreement_bf16": top1_agreement(logits[fmt], logits["bf16"]),
+        "top1_agreement_fp32": top1_agreement(logits[fmt], logits["fp32"]),
+        "seconds": seconds,
+    }
+
+
+def _line(row: dict[str, float | str]) -> str:
+    cells = [f"{row['perplexity']:9.3f}", f"{row['delta_vs_bf16']:+9.2%}", f"{row['delta_vs_fp32']:+9.2%}"]
+    cells += [f"{row['top1_agreement_bf16']:9.3f}", f"{row['top1_agreement_fp32']:9.3f}", f"{row['seconds']:9.1f}"]
+    return f"{row['format']:10s} " + " ".join(cells)
+
+
+if __name__ == "__main__":
+    main()
