@@ -44,7 +44,7 @@ static inline void q8_widen(const uint8_t* p, __m256 q[4]) {
 }
 
 /* e4m3fn bits placed as an fp16's (sign at 15, exponent and mantissa from bit 7) read as value / 256 (see
-   attention.c's fp8_row); the caller folds the 256 into the row's scale. */
+   attention.c's fp8_row); qgemm_f32 multiplies the 256 back in (FP8_ROW_UNIT). */
 static inline void fp8_widen(const uint8_t* p, __m256 q[4]) {
     for (int j = 0; j < 4; j++) {
         __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(p + 8 * j)));
@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
 }
 DEFINE_ROW_AVX2(q4_row, q4_widen, 16)
 DEFINE_ROW_AVX2(q8_row, q8_widen, 32)
-DEFINE_ROW_AVX2(fp8_row, fp8_widen, 32)
+DEFINE_ROW_AVX2(fp8_block_row, fp8_widen, 32)
 #define FP8_ROW_UNIT (256.f) /* fp8_widen's values are value / 256 */
 
 #else /* portable C: a block's codes widened into a float[32], then plain loops GCC vectorises (-ffast-math) */
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
 }
 DEFINE_ROW_C(q4_row, q4_widen, 16)
 DEFINE_ROW_C(q8_row, q8_widen, 32)
-DEFINE_ROW_C(fp8_row, fp8_widen, 32)
+DEFINE_ROW_C(fp8_block_row, fp8_widen, 32)
 #define FP8_ROW_UNIT (1.f)
 #endif
 
@@ -171,7 +171,7 @@ void qgemm_f32(const nxd_qgemm_args* a) {
             } else if (fmt == 1) {
                 DISPATCH_MT(q8_row, wr, bs, x, xs, nb, mt, dot);
             } else {
-                DISPATCH_MT(fp8_row, wr, bs, x, xs, nb, mt, dot);
+                DISPATCH_MT(fp8_block_row, wr, bs, x, xs, nb, mt, dot);
                 for (int m = 0; m < mt; m++) dot[m] *= FP8_ROW_UNIT;
             }
             for (int m = 0; m < mt; m++) {
