@@ -286,8 +286,10 @@ def nxdserve_loaded(log: str) -> dict[str, Any]:
     """dtype, --quantization and the C kernels' ISA from an nxdserve server log (None where not found)."""
     dtype = re.search(r"torch backend: \S+ on \S+ in (\w+)", log)
     isa = re.search(r"CPU kernels: (\S+)", log)
+    # The backend's own line says what it applied (a default may pick a format the flags did not name).
+    applied = re.search(r"torch_backend: weights: --quantization (\S+)", log)
     config = re.search(r"effective configuration: (\{.*\})", log)
-    quant = json.loads(config.group(1)).get("quantization") if config else None
+    quant = applied.group(1) if applied else json.loads(config.group(1)).get("quantization") if config else None
     return {"dtype": dtype.group(1) if dtype else None, "quantization": quant, "isa": isa.group(1) if isa else None}
 
 

@@ -113,6 +113,8 @@ def test_logs_say_what_was_loaded_and_why_a_start_failed() -> None:
     )
     assert qp.nxdserve_loaded(log) == {"dtype": "bfloat16", "quantization": "int8", "isa": "avx2"}
     assert qp.nxdserve_loaded("") == {"dtype": None, "quantization": None, "isa": None}
+    applied = 'torch_backend: weights: --quantization gguf\neffective configuration: {"quantization": null}\n'
+    assert qp.nxdserve_loaded(applied)["quantization"] == "gguf"
     vllm_log = (
         "WARNING failed to increase ulimit with error ... OSError: [Errno 24] Too many open files\n"
         "(Worker pid=1) ERROR RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s)\n"
