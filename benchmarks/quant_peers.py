@@ -194,10 +194,11 @@ def all_configs(args: argparse.Namespace, default_gguf: Path) -> list[Config]:
         suffix = "" if len(isas) == 1 else f"@{isa}"
         for fmt, flags in NXD_FORMATS.items():
             configs.append(Config(f"nx-{fmt}{suffix}", "nxdserve", [*flags, "--cpu-isa", isa]))
-    for fmt, (flags, dtype, quant) in VLLM_FORMATS.items():
-        configs.append(Config(f"vllm-{fmt}", "vllm", flags, vllm_dtype=dtype, vllm_quantization=quant))
     for fmt in LLAMA_FORMATS:
         configs.append(Config(f"llama-{fmt}", "llamacpp", gguf=gguf_file(fmt, default_gguf, Path(args.gguf_dir))))
+    # vLLM last: it takes minutes to start, and a run cut short (see main) keeps the rows before it.
+    for fmt, (flags, dtype, quant) in VLLM_FORMATS.items():
+        configs.append(Config(f"vllm-{fmt}", "vllm", flags, vllm_dtype=dtype, vllm_quantization=quant))
     wanted = [c for c in args.configs.split(",") if c] if args.configs != "all" else [c.name for c in configs]
     unknown = set(wanted) - {c.name for c in configs}
     if unknown:
@@ -461,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     run_args = argparse.Namespace(**vars(args), trigger_timeout=300.0)
     tokenizer = HFTokenizer.from_path(model_dir)
     run = compare.run_interleaved if args.rounds > 1 else compare.run_sequential
-    run(specs, results, tokenizer, run_args, log_dir)
+    interrupted = None
+    try:
+        run(specs, results, tokenizer, run_args, log_dir)
+    except (SystemExit, KeyboardInterrupt) as exc:  # the servers are stopped by now; keep what was measured
+        interrupted = f"interrupted ({type(exc).__name__}): rows without results did not run"
+        print(interrupted, flush=True)
     probe_after = bandwidth.measure_all([args.threads], args.bandwidth_mib)[0]
 
     rows = [describe_row(cfg, shape, log_dir, results, read_gbps) for cfg in runnable]
@@ -482,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_after": vars(probe_after),
         "read_gbps_for_shares": read_gbps,
         "skipped": notes,
+        "interrupted": interrupted,
         "reference": ref,
         "rows": rows,
         "targets": targets,
