@@ -148,5 +148,20 @@ def test_configs_per_isa_and_filter(tmp_path: Path) -> None:
 
 def test_bandwidth_probe_measures_positive_rates() -> None:
     row = bw.measure(1, mib=8, repeats=1)
-    assert row.threads == 1 and row.read_gbps > 0 and row.copy_gbps > 0
+    assert row.threads == 1 and row.read_gbps > 0 and row.copy_gbps > 0 and row.gemv_gbps > 0
+    assert row.best_read_gbps == max(row.read_gbps, row.gemv_gbps)
     assert "read GB/s" in bw.format_table([row])
+
+
+def test_targets_and_failed_requests_show_in_the_report() -> None:
+    results = {
+        "b": {"nx-default": {"output_throughput": 30.0, "failed": 0}, "vllm-bf16": {"output_throughput": 10.0}},
+        "a": {"nx-int8": {"output_throughput": 50.0}, "nx-bf16": {"output_throughput": 60.0}},
+    }
+    lines = qp.target_lines(results, ["auto"])
+    assert any("nx-default / vllm-bf16" in ln and "3.00x" in ln and ln.endswith("met") for ln in lines)
+    assert any("nx-int8 / nx-bf16" in ln and ln.endswith("NOT met") for ln in lines)
+    m = qp.row_metrics({"output_throughput": 2.0, "median_tpot_ms": 400.0, "failed": 1}, 100_000_000, 10.0)
+    row = {"name": "llama-q4_1", "loaded": "Q4_1", "weight_bytes": 100_000_000, "workloads": {"b": m}}
+    table = qp.format_table([row], {"b": {"llama-q4_1": {"output_throughput": 2.0}}}, ["b"], "vllm-bf16")
+    assert "(1 failed)" in table and "2%" in table  # 0.1 GB / 0.4 s = 0.25 GB/s of 10
