@@ -282,9 +282,12 @@ def running_server(spec: ServerSpec, log_dir: Path, startup_timeout_s: float) ->
     with open(log_path, "w") as log:
         # A new session makes the server the leader of its own process group, so stopping it also stops
         # the workers it spawns (vLLM's engine core) and nothing else.
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **spec.env}, start_new_session=True
-        )
+        try:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **spec.env}, start_new_session=True
+            )
+        except OSError as exc:  # no such program: a failed start like any other, not the end of the run
+            raise BenchError(f"cannot run {argv[0]}: {exc}") from exc
     url = f"http://127.0.0.1:{port}"
     spec.pid = proc.pid
     try:

@@ -184,3 +184,13 @@ def test_rotate_starts_fresh_servers_each_round_each_first_in_turn(
     assert results["a"]["nxd"]["output_throughput"] == 2.0 and len(results["a"]["nxd"]["rounds"]) == 3
     assert results["a"]["pf"]["error"].startswith("round 2 of 3: server failed to start")
     assert compare.start_order(specs, "rotate", 4)[0].name == "pf"
+
+
+def test_a_server_that_cannot_be_run_is_a_failed_start(tmp_path: Path) -> None:
+    spec = compare.ServerSpec("ghost", lambda port: [str(tmp_path / "no-such-server"), str(port)], ["b"])
+    with pytest.raises(compare.BenchError, match="cannot run"), compare.running_server(spec, tmp_path, 5.0):
+        pass
+    results: dict = {"b": {}}
+    args = argparse.Namespace(startup_timeout=5.0)
+    compare.run_sequential([spec], results, None, args, tmp_path)
+    assert "cannot run" in results["b"]["ghost"]["error"]
