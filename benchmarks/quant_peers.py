@@ -84,42 +84,48 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def linear_bytes(kind: str, n: int, k: int, act_bytes: int, group: int = 32) -> int:
-    """Bytes nxdserve's ``QuantLinear`` (engine/models/quant.py) reads for one (n, k) weight per call.
+WORKLOAD_ROWS = {"a": 32, "s": 32}  # rows in a decode step of each workload (b: one stream)
+QUANT_DENSE_ROWS = 16  # nxdserve's --cpu-quant-dense-rows default: more rows compute on a dense copy
 
-    int8: codes plus one scale per row in the kernel's bf16; int4: packed nibbles (rows padded to 16,
-    columns to the group) plus a bf16 scale and zero per group; fp8 and GGUF's Q8_0 are expanded once into
-    the activations' dtype (no CPU kernel reads the codes), so they read what a dense weight does."""
-    if kind == "dense" or kind in ("fp8", "q8_0"):
+
+def linear_bytes(kind: str, n: int, k: int, act_bytes: int, rows: int = 1) -> int:
+    """Bytes nxdserve's ``QuantLinear`` (engine/models/quant.py) reads for one (n, k) weight in a step of ``rows``.
+
+    Up to ``QUANT_DENSE_ROWS`` rows the C kernel (csrc/qgemm.c) reads the codes as stored, K padded to 32, with
+    fp32 block scales: int8 / fp8 / Q8_0 one byte a weight plus a scale per 32 (a row scale repeated per block);
+    int4 (any group, the gguf blocks) 16 bytes of nibbles plus an fp32 scale and offset per 32. More rows read
+    the dense copy in the activations' dtype."""
+    if kind == "dense" or rows > QUANT_DENSE_ROWS:
         return n * k * act_bytes
-    if kind == "int8":
-        return n * k + 2 * n
+    blocks = -(-k // 32)
+    if kind in ("int8", "fp8", "q8_0"):
+        return n * blocks * (32 + 4)
     if kind == "int4":
-        rows, cols = _round_up(n, 16), _round_up(k, group)
-        return rows * cols // 2 + (cols // group) * rows * 2 * 2
+        return n * blocks * (16 + 8)
     raise ValueError(f"unknown linear kind {kind!r}")
 
 
-def nxdserve_weight_bytes(shape: ModelShape, dtype: str, quantization: str | None, head_kind: str = "dense") -> int:
-    """One decode step's weight reads on nxdserve's layer-by-layer path: linears, LM head, norms.
+def nxdserve_weight_bytes(
+    shape: ModelShape, dtype: str, quantization: str | None, head_kind: str = "dense", rows: int = 1
+) -> int:
+    """One decode step's weight reads on nxdserve's layer-by-layer path (``rows`` rows): linears, LM head, norms.
 
     ``quantization`` is the served --quantization (None, int8, fp8, int4 / int4-gN / rtn, gguf); the LM head
     stays dense in the model dtype except under gguf, where it is the file's token_embd (``head_kind``:
     "q8_0" or "int4")."""
     act = DTYPE_BYTES[dtype]
-    kind, group = "dense", 32
+    kind = "dense"
     if quantization in ("int8", "rtn-int8"):
         kind = "int8"
     elif quantization == "fp8":
         kind = "fp8"
-    elif quantization in ("int4", "gguf") or (quantization or "").startswith("int4-g") or quantization == "rtn":
+    elif quantization in ("int4", "gguf", "rtn") or (quantization or "").startswith("int4-g"):
         kind = "int4"
-        group = 128 if quantization == "rtn" else int(quantization[6:]) if quantization.startswith("int4-g") else 32
     elif quantization is not None:
         raise ValueError(f"no byte model for --quantization {quantization!r}")
-    total = sum(linear_bytes(kind, n, k, act, group) for n, k in shape.linears())
+    total = sum(linear_bytes(kind, n, k, act, rows) for n, k in shape.linears())
     head = head_kind if quantization == "gguf" else "dense"
-    total += linear_bytes(head, shape.vocab, shape.hidden, act, 32)
+    total += linear_bytes(head, shape.vocab, shape.hidden, act, rows)
     return total + shape.norm_params() * act
 
 
@@ -521,12 +527,15 @@ def describe_row(
     log = _log_text(log_dir, cfg.name)
     row: dict[str, Any] = {"name": cfg.name, "server": cfg.server, "flags": cfg.flags}
     weight_bytes: int | None = None
+    step_bytes: dict[str, int] = {}  # nxdserve: per workload (the rows in a step decide the format read)
     if cfg.server == "nxdserve":
         loaded = nxdserve_loaded(log)
         row["loaded_from_log"] = loaded
         if loaded["dtype"] in DTYPE_BYTES:
             head = "q8_0" if loaded["quantization"] == "gguf" else "dense"  # the default GGUF's token_embd is Q8_0
             weight_bytes = nxdserve_weight_bytes(shape, loaded["dtype"], loaded["quantization"], head)
+            step_bytes = {w: nxdserve_weight_bytes(shape, loaded["dtype"], loaded["quantization"], head,
+                                                   WORKLOAD_ROWS.get(w, 1)) for w in results}
         row["loaded"] = f"{loaded['dtype']}/{loaded['quantization'] or 'dense'}/{loaded['isa']}"
     elif cfg.server == "vllm":
         dtype, quant = vllm_loaded(log)
@@ -547,7 +556,7 @@ def describe_row(
             why = start_failure(log) if "failed to start" in result["error"] else result["error"]
             row["workloads"][w] = {"error": why}
         else:
-            row["workloads"][w] = row_metrics(result, weight_bytes, read_gbps)
+            row["workloads"][w] = row_metrics(result, step_bytes.get(w, weight_bytes), read_gbps)
     return row
 
 

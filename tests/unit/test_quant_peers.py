@@ -53,32 +53,34 @@ def test_dense_bytes_are_params_times_dtype_size() -> None:
     params = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 96 * 64) + 100 * 64 + (2 * 2 + 1) * 64
     assert qp.nxdserve_weight_bytes(shape, "float32", None) == 4 * params
     assert qp.nxdserve_weight_bytes(shape, "bfloat16", None) == 2 * params
-    # fp8 codes are widened once into the activations' dtype: the step reads dense bytes
-    assert qp.nxdserve_weight_bytes(shape, "float32", "fp8") == 4 * params
+    # fp8 codes are read by the kernel at one row; a 32-row step reads the dense copy
+    assert qp.nxdserve_weight_bytes(shape, "float32", "fp8") < 2 * params
+    assert qp.nxdserve_weight_bytes(shape, "float32", "fp8", rows=32) == 4 * params
     assert qp.vllm_weight_bytes(shape, "bfloat16", None) == 2 * params
 
 
-def test_int8_and_int4_bytes_match_quantlinear_storage() -> None:
+def test_int8_and_int4_bytes_match_what_the_kernel_reads() -> None:
     import torch
 
     w = torch.randn(48, 96)
-    q8 = quantize_int8(w)
-    # codes as stored, scales as the kernel reads them (bf16 copies)
-    assert qp.linear_bytes("int8", 48, 96, 4) == q8.data.numel() * q8.data.element_size() + q8.scales.numel() * 2
-    q4 = quantize_int4(w, 32)
-    assert qp.linear_bytes("int4", 48, 96, 4, 32) == q4.data.numel() * q4.data.element_size() + q4.scales.numel() * 2
+    for kind, q in (("int8", quantize_int8(w)), ("int4", quantize_int4(w, 32)), ("int4", quantize_int4(w, 64))):
+        layout = q._kernel_layout()
+        assert layout is not None
+        read = sum(t.numel() * t.element_size() for t in layout[:3] if t is not None)
+        assert qp.linear_bytes(kind, 48, 96, 4) == read
+        assert qp.linear_bytes(kind, 48, 96, 4, rows=32) == 48 * 96 * 4  # the dense copy
 
 
 def test_quantized_formats_keep_the_head_dense_except_gguf() -> None:
     shape = qp.ModelShape.from_config(TINY)
     head_fp32 = 100 * 64 * 4
     int4 = qp.nxdserve_weight_bytes(shape, "float32", "int4")
-    linears = sum(qp.linear_bytes("int4", n, k, 4, 32) for n, k in shape.linears())
+    linears = sum(qp.linear_bytes("int4", n, k, 4) for n, k in shape.linears())
     assert int4 == linears + head_fp32 + 5 * 64 * 4
     gguf_int4_head = qp.nxdserve_weight_bytes(shape, "float32", "gguf", head_kind="int4")
-    assert gguf_int4_head == linears + qp.linear_bytes("int4", 100, 64, 4, 32) + 5 * 64 * 4
-    assert qp.nxdserve_weight_bytes(shape, "float32", "gguf", head_kind="q8_0") == int4
-    assert qp.nxdserve_weight_bytes(shape, "float32", "int4-g64") < int4  # fewer scales per weight
+    assert gguf_int4_head == linears + qp.linear_bytes("int4", 100, 64, 4) + 5 * 64 * 4
+    assert qp.nxdserve_weight_bytes(shape, "float32", "gguf", head_kind="q8_0") < int4  # a Q8_0 head, not fp32
+    assert qp.nxdserve_weight_bytes(shape, "float32", "int4-g64") == int4  # scales are kept per 32 either way
     with pytest.raises(ValueError, match="awq"):
         qp.nxdserve_weight_bytes(shape, "float32", "awq")
 
