@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,3 +15,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def exact_kernels() -> Iterator[None]:
+    """Quantized linears get the model's own (fp32) activations where PyTorch's weight-only kernels run (they
+    take bf16 by default, ``quant.kernel_dtype``): every path then computes the codes exactly in fp32."""
+    from nxdserve.engine.models import quant
+
+    saved = quant.kernel_dtype
+    quant.kernel_dtype = None
+    yield
+    quant.kernel_dtype = saved

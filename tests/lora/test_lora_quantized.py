@@ -4,14 +4,11 @@ GEMMs add to the 4-bit base exactly as to a dense one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from nxdserve.engine.core import EngineCore
-from nxdserve.engine.models import quant
 from nxdserve.engine.models.quant import QuantLinear
 from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import OutputKind, SamplingParams
@@ -21,14 +18,6 @@ from tests.helpers.tiny_model import single_torch_thread, tiny_model_path
 
 PROMPTS = [[1, 450, 7483, 310, 3444, 338], [1, 22172, 29892, 590, 1024, 338, 100, 200, 300]]
 
-
-@pytest.fixture
-def exact_kernels() -> Iterator[None]:
-    """The 4-bit kernel gets fp32 activations: the blocks computed in fp32, like the dense reference."""
-    saved = quant.kernel_dtype
-    quant.kernel_dtype = None
-    yield
-    quant.kernel_dtype = saved
 
 
 def _core(adapters: dict[str, Path], **overrides: object) -> EngineCore:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,6 @@ KINDS = {
     "fp8-dynamic": "fp8", "fp8": "fp8", "w8a16-g32": "q8_0",
 }  # fmt: skip
 
-
-@pytest.fixture
-def exact_kernels() -> Iterator[None]:
-    """The kernels get the model's own (fp32) activations: the codes computed exactly in fp32."""
-    saved = quant.kernel_dtype
-    quant.kernel_dtype = None
-    yield
-    quant.kernel_dtype = saved
 
 
 def _load(path: Path) -> LlamaFamilyModel:

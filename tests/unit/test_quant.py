@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -15,15 +13,6 @@ from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.perplexity import next_token_logits
 from nxdserve.errors import ConfigError
 from tests.helpers.tiny_model import tiny_model_path
-
-
-@pytest.fixture
-def exact_kernels() -> Iterator[None]:
-    """The kernels get the model's own (fp32) activations: the blocks computed exactly in fp32."""
-    saved = quant.kernel_dtype
-    quant.kernel_dtype = None
-    yield
-    quant.kernel_dtype = saved
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "int4-g64", "int4-g128", "rtn"])
