@@ -48,7 +48,8 @@ async def run(engine, prompts, max_tokens):
     return tokens / (time.perf_counter() - t0), sum(ttfts) / len(ttfts)
 
 async def main():
-    async with AsyncEngine(EngineConfig(max_num_seqs=32)) as engine:
+    # Dense fp32 in every tree: the default model is served from its 4-bit blocks by default since 2026-12-02.
+    async with AsyncEngine(EngineConfig(max_num_seqs=32, dtype="float32")) as engine:
         await run(engine, [" ".join(WORDS[:8])] * 4, 8)  # warm-up
         burst = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(52)) for i in range(32)]
         a_tps, a_ttft = await run(engine, burst, 64)
