@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import cpu_kernels, cpu_setup
+from nxdserve.engine.models import cpu_kernels
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.lora.stack import KERNEL_MAX_TOKENS, LINEARS, LoraStack
 from nxdserve.model_files import load_hf_config
+from tests.helpers.cpu_paths import forced_cpu_path
 from tests.helpers.tiny_model import tiny_model_path
 from tests.lora.test_lora_stack import _adapter, _reference
 
@@ -24,11 +24,8 @@ KERNEL_PATHS = [p for p in cpu_kernels.runnable_paths() if p != "none"]
 
 @pytest.fixture(params=cpu_kernels.runnable_paths())
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    assert cpu_setup.apply(CpuOptions(isa=request.param)) == request.param
-    if request.param != "none":
-        assert cpu_kernels.active_path() == request.param, "the variant did not build (see the log)"
-    yield request.param
-    cpu_setup.apply(CpuOptions())
+    with forced_cpu_path(request.param) as isa:
+        yield isa
 
 
 def _operands(

@@ -19,6 +19,7 @@ from nxdserve.engine.models.gguf_weights import decode_4bit, decode_q8_0
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.perplexity import next_token_logits
 from nxdserve.errors import ConfigError
+from tests.helpers.cpu_paths import forced_cpu_path
 
 PATHS = cpu_kernels.runnable_paths()
 KERNEL_PATHS = [p for p in PATHS if p != "none"]
@@ -30,14 +31,11 @@ N = 77  # not a multiple of 8 or 16
 @pytest.fixture(params=PATHS)
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each path this CPU runs, forced; the torch path (``none``) with fp32 activations (the exact reference)."""
-    assert cpu_setup.apply(CpuOptions(isa=request.param, quant_dense_rows=0)) == request.param
-    if request.param != "none":
-        assert cpu_kernels.active_path() == request.param, "the variant did not build (see the log)"
     saved = quant.kernel_dtype
     quant.kernel_dtype = None
-    yield request.param
+    with forced_cpu_path(request.param, quant_dense_rows=0) as isa:
+        yield isa
     quant.kernel_dtype = saved
-    cpu_setup.apply(CpuOptions())
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.backends.torch_backend import TorchBackend
 from nxdserve.engine.models import SlotModelRunner, cpu_kernels, cpu_setup
 from nxdserve.errors import ConfigError
+from tests.helpers.cpu_paths import forced_cpu_path
 from tests.helpers.tiny_model import single_torch_thread, tiny_model_path
 from tests.unit.test_torch_backend import run_greedy
 from tests.unit.test_torch_model import ATOL_TINY, chunk_steps, random_ids, reference_logits, run_schedule
@@ -39,11 +40,8 @@ def _one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(params=PATHS)
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    assert cpu_setup.apply(CpuOptions(isa=request.param)) == request.param
-    if request.param != "none":
-        assert cpu_kernels.active_path() == request.param, "the variant did not build (see the log)"
-    yield request.param
-    cpu_setup.apply(CpuOptions())
+    with forced_cpu_path(request.param) as isa:
+        yield isa
 
 
 def _target_flags_supported(variant: str) -> bool:
