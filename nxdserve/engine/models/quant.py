@@ -51,7 +51,8 @@ class QuantLinear:
     Per call the rows decide (``dense_rows``): up to that many rows go to the C kernel (``cpu_kernels.QgemmWeight``,
     fp32 activations, reading the codes as stored); more rows to a dense copy expanded once from the codes in the
     activations' dtype (a batched step is bound by FLOPs, where a dense GEMM wins). Without the C kernels
-    (``--cpu-isa none``, no compiler) PyTorch's weight-only ops run, as the module doc says."""
+    (``--cpu-isa none``, no compiler) PyTorch's weight-only ops take the small calls instead, and the same rule
+    sends the larger ones to the dense copy."""
 
     kind: str  # "int8" | "int4" | "fp8" | "q8_0" (int8 with a scale per group of ``group``: gguf_weights.py)
     out_features: int
@@ -133,8 +134,12 @@ class QuantLinear:
         return out if residual is None or fused else out + residual
 
     def _torch_call(self, x: torch.Tensor) -> torch.Tensor:
-        """The large-row path (a dense copy) with the kernels, PyTorch's weight-only ops without them."""
-        if _kernels_on() or self.kind in ("fp8", "q8_0"):
+        """A dense copy for calls above ``dense_rows`` rows (and every call of a format PyTorch has no op for);
+        without the kernels PyTorch's weight-only ops for the smaller ones. Measured without kernels (AVX2,
+        perf_notes.md): int4pack at 16-32 rows within 7% of the dense fp32 GEMM's time, 1.4x it at 64, and at 32
+        concurrent the engine served 0.90x dense fp32 with int4pack (its bf16 casts) for every call."""
+        large = bool(dense_rows) and x.shape[0] > dense_rows and x.device.type == "cpu"
+        if large or _kernels_on() or self.kind in ("fp8", "q8_0"):
             from nxdserve.engine.models.linear import linear
 
             return linear(x, self._cached(("dense", x.dtype), lambda: self.dequantize(x.dtype)))
