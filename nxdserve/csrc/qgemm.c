@@ -82,6 +82,70 @@ DEFINE_ROW_AVX2(q8_row, q8_widen, 32)
 DEFINE_ROW_AVX2(fp8_block_row, fp8_widen, 32)
 #define FP8_ROW_UNIT (256.f) /* fp8_widen's values are value / 256 */
 
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+
+/* ASIMD is part of every armv8-a core, so both aarch64 builds (generic, neon) take this path. A block's 32 codes
+   widen into 8 x 4 floats; 8 of them plus up to QT accumulators fit the 32 vector registers. */
+static inline void q4_widen(const uint8_t* p, float32x4_t q[8]) {
+    const uint8x16_t bytes = vld1q_u8(p);
+    const uint8x16_t halves[2] = {vandq_u8(bytes, vdupq_n_u8(0x0F)), vshrq_n_u8(bytes, 4)};
+    for (int h = 0; h < 2; h++) {
+        const uint16x8_t lo = vmovl_u8(vget_low_u8(halves[h])), hi = vmovl_u8(vget_high_u8(halves[h]));
+        q[4 * h + 0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
+        q[4 * h + 1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(lo)));
+        q[4 * h + 2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
+        q[4 * h + 3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)));
+    }
+}
+
+static inline void q8_widen(const uint8_t* p, float32x4_t q[8]) {
+    for (int h = 0; h < 2; h++) {
+        const int8x16_t codes = vld1q_s8((const int8_t*)p + 16 * h);
+        const int16x8_t lo = vmovl_s8(vget_low_s8(codes)), hi = vmovl_s8(vget_high_s8(codes));
+        q[4 * h + 0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+        q[4 * h + 1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+        q[4 * h + 2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+        q[4 * h + 3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
+    }
+}
+
+/* As the AVX2 path: e4m3fn bits placed as an fp16's read as value / 256 (FP8_ROW_UNIT multiplies it back). */
+static inline void fp8_widen(const uint8_t* p, float32x4_t q[8]) {
+    for (int h = 0; h < 4; h++) {
+        const uint16x8_t b = vmovl_u8(vld1_u8(p + 8 * h));
+        const uint16x8_t bits = vorrq_u16(vshlq_n_u16(vandq_u16(b, vdupq_n_u16(0x80)), 8),
+                                          vshlq_n_u16(vandq_u16(b, vdupq_n_u16(0x7F)), 7));
+        const float16x8_t half = vreinterpretq_f16_u16(bits);
+        q[2 * h] = vcvt_f32_f16(vget_low_f16(half));
+        q[2 * h + 1] = vcvt_high_f32_f16(half);
+    }
+}
+
+#define DEFINE_ROW_NEON(NAME, WIDEN, BYTES)                                                                \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
+                                                       const float* x, int64_t xs, int64_t nb, int MT,         \
+                                                       float* out) {                                           \
+    float32x4_t acc[QT];                                                                                       \
+    for (int m = 0; m < MT; m++) acc[m] = vdupq_n_f32(0.f);                                                    \
+    for (int64_t b = 0; b < nb; b++) {                                                                         \
+        float32x4_t q[8];                                                                                      \
+        WIDEN(wr + b * (BYTES), q);                                                                            \
+        const float* xb = x + b * QB;                                                                          \
+        for (int m = 0; m < MT; m++) {                                                                         \
+            const float* xm = xb + m * xs;                                                                     \
+            float32x4_t dot = vmulq_f32(q[0], vld1q_f32(xm));                                                  \
+            for (int j = 1; j < 8; j++) dot = vfmaq_f32(dot, q[j], vld1q_f32(xm + 4 * j));                     \
+            acc[m] = vfmaq_n_f32(acc[m], dot, block_scale[b]);                                                 \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int m = 0; m < MT; m++) out[m] = vaddvq_f32(acc[m]);                                                  \
+}
+DEFINE_ROW_NEON(q4_row, q4_widen, 16)
+DEFINE_ROW_NEON(q8_row, q8_widen, 32)
+DEFINE_ROW_NEON(fp8_block_row, fp8_widen, 32)
+#define FP8_ROW_UNIT (256.f)
+
 #else /* portable C: a block's codes widened into a float[32], then plain loops GCC vectorises (-ffast-math) */
 
 static inline void q4_widen(const uint8_t* p, float q[QB]) {

@@ -163,20 +163,32 @@ def _sources() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
 
 
+def target_flags(variant: str, arch: str | None = None) -> list[str]:
+    """The compiler flags of ``variant`` for ``arch`` (default: this machine's). For another architecture (a
+    cross compiler) without ``-mtune=native``: there is no native CPU of that kind to tune for."""
+    target = arch or machine()
+    flags = VARIANTS.get(target, {}).get(variant)
+    if flags is None:
+        raise ValueError(f"unknown kernel variant {variant!r} for {target}")
+    return flags if target == machine() else [f for f in flags if f != "-mtune=native"]
+
+
 def build_variant(
-    variant: str, cc: Sequence[str] | None = None, extra_flags: Sequence[str] = (), cache_dir: Path | None = None
+    variant: str,
+    cc: Sequence[str] | None = None,
+    extra_flags: Sequence[str] = (),
+    cache_dir: Path | None = None,
+    arch: str | None = None,
 ) -> Path:
-    """Compile ``variant`` (a key of ``VARIANTS[machine]``, or of ``VARIANTS[arch]`` with a cross compiler given
-    as ``cc``) into the cache, or find it there; the path of the shared library. Raises RuntimeError with the
-    compiler's message on failure. ``extra_flags`` go to both steps (sanitizers)."""
+    """Compile ``variant`` (a key of ``VARIANTS[arch]``, this machine's by default; another ``arch`` needs its
+    cross compiler as ``cc``) into the cache, or find it there; the path of the shared library. Raises
+    RuntimeError with the compiler's message on failure. ``extra_flags`` go to both steps (sanitizers)."""
     cc = list(cc or compiler() or [])
     if not cc:
         raise RuntimeError("no C compiler")
-    target_flags = next((v[variant] for v in VARIANTS.values() if variant in v), None)
-    if target_flags is None:
-        raise ValueError(f"unknown kernel variant {variant!r}")
+    flags = target_flags(variant, arch)
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    compile_flags = [*COMPILE_FLAGS, *target_flags, *extra_flags]
+    compile_flags = [*COMPILE_FLAGS, *flags, *extra_flags]
     link_flags = [*LINK_FLAGS, *extra_flags]
     digest = hashlib.sha256()
     for part in [variant, " ".join(compile_flags), " ".join(link_flags), " ".join(cc), version, _cpu_model()]:

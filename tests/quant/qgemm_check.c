@@ -1,0 +1,86 @@
+/* qgemm_f32 against a double-precision reference, as a standalone program: test_qgemm_builds.py compiles it with
+   each kernel variant's flags (and with an aarch64 cross compiler, run under qemu-user, for the NEON path that no
+   x86 machine can load) and checks that it prints "ok". Exit status 1 and the worst case on a mismatch. */
+#include "../../nxdserve/csrc/kernels.c"
+
+#include <stdio.h>
+
+static uint64_t rng_state = 88172645463325252ull;
+static uint32_t next_u32(void) {
+    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 32);
+}
+static float uniform(void) { return (float)next_u32() / 4294967296.f * 2.f - 1.f; } /* [-1, 1) */
+
+static double e4m3_value(uint8_t b) {
+    const int sign = b >> 7, exponent = (b >> 3) & 0xF, mantissa = b & 7;
+    double v = exponent == 0 ? ldexp(mantissa / 8.0, -6) : ldexp(1.0 + mantissa / 8.0, exponent - 7);
+    return sign ? -v : v;
+}
+
+/* One case: returns the worst |out - ref| / (sum |w x| + 1e-6) over the outputs. */
+static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residual) {
+    const int64_t nb = K / QB, row_bytes = fmt == 0 ? K / 2 : K;
+    uint8_t* w = malloc((size_t)(N * row_bytes));
+    float* scale = malloc(sizeof(float) * (size_t)(N * nb));
+    float* offset = malloc(sizeof(float) * (size_t)(N * nb));
+    float* x = malloc(sizeof(float) * (size_t)(M * K));
+    float* res = malloc(sizeof(float) * (size_t)(M * N));
+    float* out = malloc(sizeof(float) * (size_t)(M * N));
+    for (int64_t i = 0; i < N * row_bytes; i++) {
+        uint8_t b = (uint8_t)next_u32();
+        if (fmt == 2 && (b & 0x7F) == 0x7F) b ^= 1; /* e4m3fn's NaN codes never come out of a quantizer */
+        w[i] = b;
+    }
+    for (int64_t i = 0; i < N * nb; i++) { scale[i] = 0.01f + 0.05f * (uniform() + 1.f); offset[i] = 0.1f * uniform(); }
+    for (int64_t i = 0; i < M * K; i++) x[i] = uniform();
+    for (int64_t i = 0; i < M * N; i++) res[i] = uniform();
+    nxd_qgemm_args a = {0};
+    a.x = x; a.M = M; a.K = K; a.xs = K; a.w = w; a.scale = scale; a.offset = fmt == 0 ? offset : NULL;
+    a.format = fmt; a.N = N; a.res = with_residual ? res : NULL; a.rs = N; a.out = out; a.os = N; a.nthreads = 2;
+    qgemm_f32(&a);
+    double worst = 0.0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double ref = with_residual ? res[m * N + n] : 0.0, mag = 1e-6;
+            for (int64_t k = 0; k < K; k++) {
+                const uint8_t* row = w + n * row_bytes;
+                const int64_t b = k / QB, i = k % QB;
+                double wv;
+                if (fmt == 0) {
+                    const uint8_t byte = row[b * 16 + (i % 16)];
+                    wv = (i < 16 ? byte & 0x0F : byte >> 4) * (double)scale[n * nb + b] + offset[n * nb + b];
+                } else if (fmt == 1) {
+                    wv = (int8_t)row[k] * (double)scale[n * nb + b];
+                } else {
+                    wv = e4m3_value(row[k]) * scale[n * nb + b];
+                }
+                ref += wv * x[m * K + k];
+                mag += fabs(wv * x[m * K + k]);
+            }
+            const double err = fabs(out[m * N + n] - ref) / mag;
+            if (err > worst) worst = err;
+        }
+    free(w); free(scale); free(offset); free(x); free(res); free(out);
+    return worst;
+}
+
+int main(void) {
+    static const int64_t Ms[] = {1, 2, 3, 7, 8, 9, 17}, Ns[] = {1, 7, 40}, Ks[] = {32, 96, 576};
+    int cases = 0;
+    for (int fmt = 0; fmt < 3; fmt++)
+        for (size_t i = 0; i < sizeof Ms / sizeof *Ms; i++)
+            for (size_t j = 0; j < sizeof Ns / sizeof *Ns; j++)
+                for (size_t k = 0; k < sizeof Ks / sizeof *Ks; k++) {
+                    const int with_residual = (int)((i + j + k) % 2);
+                    const double worst = run_case(fmt, Ms[i], Ns[j], Ks[k], with_residual);
+                    cases++;
+                    if (!(worst < 1e-5)) {
+                        printf("mismatch: format %d M %ld N %ld K %ld residual %d: relative error %g\n", fmt,
+                               (long)Ms[i], (long)Ns[j], (long)Ks[k], with_residual, worst);
+                        return 1;
+                    }
+                }
+    printf("ok %d cases\n", cases);
+    return 0;
+}
