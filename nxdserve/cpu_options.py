@@ -35,6 +35,9 @@ class CpuOptions:
     # Quantized linears: calls of up to this many rows run the C kernel on the codes, more rows a dense copy
     # expanded once (0: the kernel for every call, no dense copy). Default: the measured crossover (perf_notes.md).
     quant_dense_rows: int = 16
+    # Quantized linears' small-row kernel: activations rounded to int8 per 32 columns, integer dot products with
+    # the 4-bit / int8 codes (csrc/qgemm_i8.c). Off: results change (the activations' rounding), so opt-in.
+    quant_int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_CHOICES:
@@ -81,13 +84,24 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantized linears: steps of up to N rows run the C kernel on the 4/8-bit codes, larger ones a dense "
         "copy expanded once from them (0 = the kernel always, no dense copy)",
     )
+    group.add_argument(
+        "--cpu-quant-int8-activations",
+        action="store_true",
+        help="quantized linears (4-bit, int8): round the activations of steps of up to --cpu-quant-dense-rows rows "
+        "to int8 per 32 columns and take integer dot products (faster; results change slightly, so off by default)",
+    )
     for name, flag, text in _SWITCHES:
         group.add_argument(flag, dest=f"cpu_{name}", action="store_false", help=text)
 
 
 def cpu_options_from_args(args: argparse.Namespace) -> CpuOptions:
     switches = {name: getattr(args, f"cpu_{name}") for name, _, _ in _SWITCHES}
-    return CpuOptions(isa=args.cpu_isa, quant_dense_rows=args.cpu_quant_dense_rows, **switches)
+    return CpuOptions(
+        isa=args.cpu_isa,
+        quant_dense_rows=args.cpu_quant_dense_rows,
+        quant_int8_activations=args.cpu_quant_int8_activations,
+        **switches,
+    )
 
 
 def set_openmp_wait_policy() -> None:

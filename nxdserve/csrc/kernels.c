@@ -34,6 +34,7 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
 #include "greedy_head.c"
 #include "qgemm.c"
 #include "lora.c"
+#include "qgemm_i8.c"
 
 #define NXD_FIELD(T, F) {#T, #F, (int64_t)offsetof(T, F), (int64_t)sizeof(((T*)0)->F)}
 #define NXD_SIZE(T) {#T, NULL, 0, (int64_t)sizeof(T)}

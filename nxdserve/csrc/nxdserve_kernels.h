@@ -194,6 +194,11 @@ typedef struct nxd_lora_args {
 void lora_add_bf16(const nxd_lora_args* a);
 void lora_add_f32(const nxd_lora_args* a);
 
+/* ---- qgemm_i8.c: qgemm_f32's contract on integer dot products (x rounded to int8 per 32-block; opt-in) ----- */
+/* The args of qgemm_f32; formats 0 (q4) and 1 (q8) computed as int8 x int4/int8 dot products, each block's
+   product scaled once in fp32 (see qgemm_i8.c for the rounding); format 2 (fp8) runs qgemm_f32. */
+void qgemm_i8_f32(const nxd_qgemm_args* a);
+
 /* ---- kernels.c: the layout check ---------------------------------------------------------------------------- */
 /* One entry per field of every struct above (field = its name), plus one per struct with field NULL and size
    = sizeof(struct). */

@@ -341,6 +341,7 @@ def load(path: Path) -> ctypes.CDLL:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, restype
     lib.qgemm_f32.argtypes, lib.qgemm_f32.restype = [ctypes.POINTER(QgemmArgs)], None
+    lib.qgemm_i8_f32.argtypes, lib.qgemm_i8_f32.restype = [ctypes.POINTER(QgemmArgs)], None
     lib.omp_bind_team.argtypes = [ctypes.c_int, _p, ctypes.c_int, ctypes.c_int]
     lib.omp_bind_team.restype = ctypes.c_int
     lib.gemm_amx.restype = ctypes.c_int
@@ -649,9 +650,12 @@ class QgemmWeight:
         self.args.w, self.args.scale = codes.data_ptr(), scale.data_ptr()
         self.args.offset = None if offset is None else offset.data_ptr()
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, int8_activations: bool = False
+    ) -> torch.Tensor:
         """``x (M, K) @ W^T [+ residual]``: x fp32 (M, K) with contiguous rows, residual fp32 (M, N) likewise.
-        Callers check ``available()``."""
+        ``int8_activations``: x's rows rounded to int8 per 32-block and integer dot products (``qgemm_i8_f32``,
+        csrc/qgemm_i8.c; q4 and q8, fp8 stays exact). Callers check ``available()``."""
         lib = _library()
         assert lib is not None and x.dtype == torch.float32 and x.shape[1] == self.in_features and x.stride(1) == 1
         rows = x.shape[0]
@@ -664,7 +668,7 @@ class QgemmWeight:
         else:
             assert residual.dtype == torch.float32 and residual.shape == out.shape and residual.stride(1) == 1
             a.res, a.rs = residual.data_ptr(), residual.stride(0)
-        lib.qgemm_f32(ctypes.byref(a))
+        (lib.qgemm_i8_f32 if int8_activations else lib.qgemm_f32)(ctypes.byref(a))
         return out
 
 
@@ -675,9 +679,10 @@ def qgemm(
     offset: torch.Tensor | None,
     fmt: str,
     residual: torch.Tensor | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``x (M, K) @ W^T [+ residual]`` in fp32 for a quantized W (``QgemmWeight`` says the formats)."""
-    return QgemmWeight(codes, scale, offset, fmt)(x, residual)
+    return QgemmWeight(codes, scale, offset, fmt)(x, residual, int8_activations)
 
 
 # -- multi-LoRA (csrc/lora.c) -----------------------------------------------------------------------------------

@@ -17,4 +17,5 @@ def apply(options: CpuOptions) -> str:
     linear.enabled = options.packed_linear
     huge_pages.enabled = options.kv_huge_pages
     quant.dense_rows = options.quant_dense_rows
+    quant.int8_activations = options.quant_int8_activations
     return path

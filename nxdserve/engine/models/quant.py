@@ -42,6 +42,9 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 # Set from CpuOptions.quant_dense_rows; the default is the measured crossover (perf_notes.md).
 DENSE_ROWS = 16
 dense_rows = DENSE_ROWS
+# The small-row kernel rounds the activations to int8 per 32-block and takes integer dot products (q4 and int8
+# codes; csrc/qgemm_i8.c). Off by default: it changes results. Set from CpuOptions.quant_int8_activations.
+int8_activations = False
 
 
 @dataclass(eq=False)
@@ -129,7 +132,7 @@ class QuantLinear:
         elif xf.stride(-1) != 1:
             xf = xf.contiguous()
         fused = residual is not None and residual.dtype == torch.float32 and residual.stride(-1) == 1
-        out = kernel(xf, residual if fused else None)
+        out = kernel(xf, residual if fused else None, int8_activations)
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if residual is None or fused else out + residual
 

@@ -1,0 +1,282 @@
+/* Quantized-weight GEMM on integer dot products (part of kernels.c, after qgemm.c): the contract of qgemm_f32
+   (out (M, N) = x (M, K) @ W^T (+ res), fp32 x and out, the same nxd_qgemm_args), but each row of x is first
+   rounded to int8 per 32-block, so a block's 32 products are integer multiply-adds and only one fp32 FMA per
+   block remains. Opt-in (CpuOptions.quant_int8_activations): the activations' rounding changes the results.
+
+   Activations, per row and 32-block b: d = absmax / 127, q = round-to-nearest-even(x / d) in [-127, 127]
+   (an all-zero block has d = 0, q = 0), and ds = d * sum(q) (what q4's offsets multiply: sum(x) as rounded).
+   Weights as qgemm.c stores them (formats 0 = q4, 1 = q8; fp8 has no integer form and runs qgemm_f32):
+   - q4: out = sum_b scale[b] * d_b * sum(code * q) + offset[b] * ds_b, codes unsigned 0..15;
+   - q8: out = sum_b scale[b] * d_b * sum(code * q), codes signed.
+   The integer block sums are exact (at most 32 * 128 * 127 in magnitude); the fp32 part is one product and
+   FMA per block, so against the same math in float64 only fp32 rounding separates them.
+
+   For a fused forward (one translation unit with kernels.c): quantize a linear's input once with
+   qi8_quantize_rows (rows shared by linears with the same input, e.g. qkv and gate_up after their norms, are
+   quantized once), then in the parallel region call qi8_rows(format, ...) per weight row: MT <= QI8_T rows of
+   x against one weight row, dot[m] out; q4's offset term and the residual are the caller's (as below). Scratch
+   per M rows of K: M*K int8 + 2*M*K/32 floats. */
+
+#define QI8_T 8   /* rows of x per pass over a weight row (register tile) */
+#define QI8_B 32  /* elements per block */
+
+/* The scales of a block of absolute maximum amax: d (stored) and 1/d (the quantizer's multiplier). One scalar
+   expression for every ISA, so all paths round the same activations to the same codes. */
+static inline void qi8_scales(float amax, float* d, float* inv) {
+    *d = amax / 127.f;
+    *inv = amax > 0.f ? 127.f / amax : 0.f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float qi8_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline void qi8_quantize_block(const float* x, int8_t* q, float* d, float* ds) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float inv;
+    qi8_scales(_mm_cvtss_f32(h), d, &inv);
+    const __m256 mul = _mm256_set1_ps(inv);
+    __m256i i[4];  /* cvtps rounds to nearest even (MXCSR's default) */
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], mul));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    *ds = *d * (float)_mm_cvtsi128_si32(s4);
+    /* the packs interleave 128-bit lanes: 4-byte groups come out as 0,2,4,6,1,3,5,7 of the wanted order */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* A q4 block's 32 codes as bytes in element order (low nibbles = elements 0-15, high = 16-31). */
+static inline __m256i qi8_q4_codes(const uint8_t* p) {
+    const __m128i mask = _mm_set1_epi8(0x0F), bytes = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+/* Eight int32 partial sums of codes . q: unsigned codes against signed q pairwise into int16 (at most
+   2 * 128 * 127, no saturation), then pairs of those into int32. q8's signed codes move their sign onto q. */
+static inline __m256i qi8_dot_q4(__m256i w, __m256i q) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
+}
+static inline __m256i qi8_dot_q8(__m256i w, __m256i q) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w)),
+                             _mm256_set1_epi16(1));
+}
+#define QI8_LOAD_Q4(p) qi8_q4_codes(p)
+#define QI8_LOAD_Q8(p) _mm256_loadu_si256((const __m256i*)(p))
+
+/* dot[m] (m < MT) = sum_b wscale[b] * xd[m][b] * (codes_b . q[m]_b) for one weight row; MT a constant after
+   inlining (qi8_rows), so the accumulators stay in registers. x rows at xq + m * K, xd + m * nb. */
+#define DEFINE_QI8_ROW_AVX2(NAME, LOAD, DOT, BYTES)                                                          \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* wscale,                 \
+                                                       const int8_t* xq, const float* xd, int64_t nb, int MT,  \
+                                                       float* dot) {                                            \
+    __m256 acc[QI8_T];                                                                                          \
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();                                                  \
+    for (int64_t b = 0; b < nb; b++) {                                                                          \
+        const __m256i w = LOAD(wr + b * (BYTES));                                                               \
+        for (int m = 0; m < MT; m++) {                                                                          \
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + (m * nb + b) * QI8_B));                  \
+            const __m256 s = _mm256_set1_ps(wscale[b] * xd[m * nb + b]);                                        \
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(w, q)), s, acc[m]);                                 \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int m = 0; m < MT; m++) dot[m] = qi8_hsum(acc[m]);                                                     \
+}
+DEFINE_QI8_ROW_AVX2(qi8_q4_row, QI8_LOAD_Q4, qi8_dot_q4, 16)
+DEFINE_QI8_ROW_AVX2(qi8_q8_row, QI8_LOAD_Q8, qi8_dot_q8, 32)
+
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+
+static inline void qi8_quantize_block(const float* x, int8_t* q, float* d, float* ds) {
+    float32x4_t v[8], m = vdupq_n_f32(0.f);
+    for (int j = 0; j < 8; j++) {
+        v[j] = vld1q_f32(x + 4 * j);
+        m = vmaxq_f32(m, vabsq_f32(v[j]));
+    }
+    float inv;
+    qi8_scales(vmaxvq_f32(m), d, &inv);
+    int32x4_t sum = vdupq_n_s32(0);
+    for (int j = 0; j < 4; j++) {  /* vcvtnq: round to nearest even, as the other paths */
+        const int32x4_t a = vcvtnq_s32_f32(vmulq_n_f32(v[2 * j], inv));
+        const int32x4_t b = vcvtnq_s32_f32(vmulq_n_f32(v[2 * j + 1], inv));
+        sum = vaddq_s32(sum, vaddq_s32(a, b));
+        vst1_s8(q + 8 * j, vqmovn_s16(vcombine_s16(vqmovn_s32(a), vqmovn_s32(b))));
+    }
+    *ds = *d * (float)vaddvq_s32(sum);
+}
+
+/* int32x4 partial sums of a block's 32 products: the dot-product instruction where the target has it (the
+   neon variant, armv8.2-a+dotprod), else widening multiplies (products at most 128 * 127, pairs in int16). */
+static inline int32x4_t qi8_dot_block(int8x16_t w0, int8x16_t w1, const int8_t* q) {
+    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, q0), w1, q1);
+#else
+    int16x8_t a = vmull_s8(vget_low_s8(w0), vget_low_s8(q0));
+    a = vmlal_s8(a, vget_high_s8(w0), vget_high_s8(q0));
+    int16x8_t b = vmull_s8(vget_low_s8(w1), vget_low_s8(q1));
+    b = vmlal_s8(b, vget_high_s8(w1), vget_high_s8(q1));
+    return vpadalq_s16(vpaddlq_s16(a), b);
+#endif
+}
+
+static inline void qi8_q4_codes(const uint8_t* p, int8x16_t w[2]) {
+    const uint8x16_t bytes = vld1q_u8(p);
+    w[0] = vreinterpretq_s8_u8(vandq_u8(bytes, vdupq_n_u8(0x0F)));
+    w[1] = vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4));
+}
+static inline void qi8_q8_codes(const uint8_t* p, int8x16_t w[2]) {
+    w[0] = vld1q_s8((const int8_t*)p);
+    w[1] = vld1q_s8((const int8_t*)p + 16);
+}
+
+#define DEFINE_QI8_ROW_NEON(NAME, LOAD, BYTES)                                                               \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* wscale,                 \
+                                                       const int8_t* xq, const float* xd, int64_t nb, int MT,  \
+                                                       float* dot) {                                            \
+    float32x4_t acc[QI8_T];                                                                                     \
+    for (int m = 0; m < MT; m++) acc[m] = vdupq_n_f32(0.f);                                                     \
+    for (int64_t b = 0; b < nb; b++) {                                                                          \
+        int8x16_t w[2];                                                                                         \
+        LOAD(wr + b * (BYTES), w);                                                                              \
+        for (int m = 0; m < MT; m++) {                                                                          \
+            const int32x4_t s = qi8_dot_block(w[0], w[1], xq + (m * nb + b) * QI8_B);                           \
+            acc[m] = vfmaq_n_f32(acc[m], vcvtq_f32_s32(s), wscale[b] * xd[m * nb + b]);                         \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int m = 0; m < MT; m++) dot[m] = vaddvq_f32(acc[m]);                                                   \
+}
+DEFINE_QI8_ROW_NEON(qi8_q4_row, qi8_q4_codes, 16)
+DEFINE_QI8_ROW_NEON(qi8_q8_row, qi8_q8_codes, 32)
+
+#else /* portable C: integer loops GCC vectorises where the target allows */
+
+static inline void qi8_quantize_block(const float* x, int8_t* q, float* d, float* ds) {
+    float amax = 0.f, inv;
+    for (int i = 0; i < QI8_B; i++) amax = fmaxf(amax, fabsf(x[i]));
+    qi8_scales(amax, d, &inv);
+    int32_t sum = 0;
+    for (int i = 0; i < QI8_B; i++) {
+        const int32_t v = (int32_t)lrintf(x[i] * inv);  /* the current rounding mode: nearest even */
+        q[i] = (int8_t)v;
+        sum += v;
+    }
+    *ds = *d * (float)sum;
+}
+
+static inline int32_t qi8_dot_q4(const uint8_t* p, const int8_t* q) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) s += (int32_t)(p[i] & 0x0F) * q[i] + (int32_t)(p[i] >> 4) * q[i + 16];
+    return s;
+}
+static inline int32_t qi8_dot_q8(const uint8_t* p, const int8_t* q) {
+    int32_t s = 0;
+    for (int i = 0; i < QI8_B; i++) s += (int32_t)(int8_t)p[i] * q[i];
+    return s;
+}
+
+#define DEFINE_QI8_ROW_C(NAME, DOT, BYTES)                                                                   \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* wscale,                 \
+                                                       const int8_t* xq, const float* xd, int64_t nb, int MT,  \
+                                                       float* dot) {                                            \
+    float acc[QI8_T] = {0.f};                                                                                   \
+    for (int64_t b = 0; b < nb; b++)                                                                            \
+        for (int m = 0; m < MT; m++)                                                                            \
+            acc[m] += (wscale[b] * xd[m * nb + b]) * (float)DOT(wr + b * (BYTES), xq + (m * nb + b) * QI8_B);   \
+    for (int m = 0; m < MT; m++) dot[m] = acc[m];                                                               \
+}
+DEFINE_QI8_ROW_C(qi8_q4_row, qi8_dot_q4, 16)
+DEFINE_QI8_ROW_C(qi8_q8_row, qi8_dot_q8, 32)
+#endif
+
+/* M rows of x (row m at x + m * xs, K a multiple of 32) into xq (M, K), xd and ds (M, K / 32), contiguous. */
+static inline void qi8_quantize_rows(const float* x, int64_t M, int64_t xs, int64_t K, int8_t* xq, float* xd,
+                                     float* ds) {
+    const int64_t nb = K / QI8_B;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++)
+            qi8_quantize_block(x + m * xs + b * QI8_B, xq + m * K + b * QI8_B, xd + m * nb + b, ds + m * nb + b);
+}
+
+/* One weight row (wr, its scales ws) against mt (1..QI8_T) quantized rows of x: dot[m], without q4's offset
+   term. A switch to a constant tile so each size gets its own unrolled body. */
+#define QI8_DISPATCH(ROW, mt, ...)                                                                            \
+    switch (mt) {                                                                                              \
+        case 1: ROW(__VA_ARGS__, 1, dot); break;                                                               \
+        case 2: ROW(__VA_ARGS__, 2, dot); break;                                                               \
+        case 3: ROW(__VA_ARGS__, 3, dot); break;                                                               \
+        case 4: ROW(__VA_ARGS__, 4, dot); break;                                                               \
+        case 5: ROW(__VA_ARGS__, 5, dot); break;                                                               \
+        case 6: ROW(__VA_ARGS__, 6, dot); break;                                                               \
+        case 7: ROW(__VA_ARGS__, 7, dot); break;                                                               \
+        default: ROW(__VA_ARGS__, 8, dot); break;                                                              \
+    }
+static inline void qi8_rows(int fmt, const uint8_t* wr, const float* ws, const int8_t* xq, const float* xd,
+                            int64_t nb, int mt, float* dot) {
+    if (fmt == 0) {
+        QI8_DISPATCH(qi8_q4_row, mt, wr, ws, xq, xd, nb);
+    } else {
+        QI8_DISPATCH(qi8_q8_row, mt, wr, ws, xq, xd, nb);
+    }
+}
+
+void qgemm_i8_f32(const nxd_qgemm_args* a) {
+    if (a->format != 0 && a->format != 1) {  /* fp8 codes have no integer form */
+        qgemm_f32(a);
+        return;
+    }
+    const int64_t M = a->M, K = a->K, N = a->N, nb = a->K / QI8_B;
+    const int fmt = a->format;
+    const int64_t row_bytes = fmt == 0 ? K / 2 : K;
+    const size_t cells = (size_t)(M * K > 0 ? M * K : 1), blocks = (size_t)(M * nb > 0 ? M * nb : 1);
+    int8_t* xq = (int8_t*)malloc(cells);
+    float* xd = (float*)malloc(sizeof(float) * 2 * blocks);
+    if (!xq || !xd) abort();
+    float* ds = xd + blocks;
+    qi8_quantize_rows(a->x, M, a->xs, K, xq, xd, ds);
+    int nt = a->nthreads < 1 ? 1 : a->nthreads;
+    if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* as qgemm_f32: too small to wake the other threads */
+    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 32)")
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* wr = a->w + n * row_bytes;
+        const float* ws = a->scale + n * nb;
+        for (int64_t m0 = 0; m0 < M; m0 += QI8_T) {
+            const int mt = (int)(M - m0 < QI8_T ? M - m0 : QI8_T);
+            float dot[QI8_T];
+            qi8_rows(fmt, wr, ws, xq + m0 * K, xd + m0 * nb, nb, mt, dot);
+            if (fmt == 0) {
+                const float* off = a->offset + n * nb;
+                for (int m = 0; m < mt; m++) {
+                    const float* dsm = ds + (m0 + m) * nb;
+                    float s = 0.f;
+                    for (int64_t b = 0; b < nb; b++) s += off[b] * dsm[b];
+                    dot[m] += s;
+                }
+            }
+            for (int m = 0; m < mt; m++) {
+                float v = dot[m];
+                if (a->res) v += a->res[(m0 + m) * a->rs + n];
+                a->out[(m0 + m) * a->os + n] = v;
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+}
