@@ -6,8 +6,11 @@ one decode step reads over ``--bandwidth-gbs``) and writes JSON.
     PYTHONPATH=$PWD python benchmarks/quant_engine_bench.py [--batches 1 32] [--tokens 48] [--cpu-isa auto]
         [--configs float32 float32/gguf ...] [--cpu-quant-dense-rows N]
 
-Configs are ``dtype`` or ``dtype/quantization``. It runs on any tree whose EngineConfig has ``quantization``
-(main's too: run it from /work/main with main's PYTHONPATH for a before/after in the same session).
+Configs are ``dtype`` or ``dtype/quantization``, each optionally suffixed ``+i8``: the same with
+``CpuOptions.quant_int8_activations`` on (the small-row kernel rounds the activations to int8, csrc/qgemm_i8.c);
+repeat configs to interleave them (``--configs auto auto+i8 auto auto+i8``). It runs on any tree whose
+EngineConfig has ``quantization`` (main's too: run it from /work/main with main's PYTHONPATH for a before/after
+in the same session).
 """
 
 from __future__ import annotations
@@ -69,9 +72,11 @@ def main() -> None:
         cpu_kw["quant_dense_rows"] = args.cpu_quant_dense_rows
     rows: list[dict[str, object]] = []
     for spec in args.configs:
-        dtype, _, method = spec.partition("/")
+        base_spec, int8_activations = spec.removesuffix("+i8"), spec.endswith("+i8")
+        dtype, _, method = base_spec.partition("/")
+        options = CpuOptions(**cpu_kw, **({"quant_int8_activations": True} if int8_activations else {}))
         config = EngineConfig(model=None, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
-                              max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**cpu_kw))  # type: ignore[arg-type]
+                              max_model_len=256, max_num_seqs=max(args.batches), cpu=options)
         core, _ = build_engine_core(config, with_metrics=False)
         model = core.backend.model  # type: ignore[attr-defined]
         for batch in args.batches:
@@ -88,7 +93,7 @@ def main() -> None:
         for r in rows:
             if r["batch"] == batch:
                 tok_s = float(r["tok_s"])  # type: ignore[arg-type]
-                label = f"{r['config']} -> {r['served']}" if r["config"] == "auto" else str(r["config"])
+                label = f"{r['config']} -> {r['served']}" if r["config"] in ("auto", "auto+i8") else str(r["config"])
                 print(f"batch {batch:>3}  {label:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
                       f"step {float(r['step_ms']):6.1f} ms  weights {float(r['weight_mb']):6.1f} MB  "  # type: ignore[arg-type]
                       f"bw {100 * float(r['bw_share']):5.1f}%")  # type: ignore[arg-type]

@@ -80,26 +80,39 @@ static inline __m256i qi8_dot_q8(__m256i w, __m256i q) {
 #define QI8_LOAD_Q4(p) qi8_q4_codes(p)
 #define QI8_LOAD_Q8(p) _mm256_loadu_si256((const __m256i*)(p))
 
-/* dot[m] (m < MT) = sum_b wscale[b] * xd[m][b] * (codes_b . q[m]_b) for one weight row; MT a constant after
-   inlining (qi8_rows), so the accumulators stay in registers. x rows at xq + m * K, xd + m * nb. */
-#define DEFINE_QI8_ROW_AVX2(NAME, LOAD, DOT, BYTES)                                                          \
-static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* wscale,                 \
-                                                       const int8_t* xq, const float* xd, int64_t nb, int MT,  \
-                                                       float* dot) {                                            \
-    __m256 acc[QI8_T];                                                                                          \
-    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();                                                  \
-    for (int64_t b = 0; b < nb; b++) {                                                                          \
-        const __m256i w = LOAD(wr + b * (BYTES));                                                               \
+/* dot[m] (m < MT) = sum_b wscale[b] * xd[m][b] * (codes_b . q[m]_b) [+ woff[b] * xds[m][b] where OFF] for one
+   weight row; MT and OFF constants after inlining (qi8_rows), so the accumulators stay in registers. x rows at
+   xq + m * K, xd + m * nb. Blocks go in pairs; up to 4 rows the odd blocks get their own accumulators, so at one
+   row consecutive FMAs do not wait on each other's latency; above 4 rows there are enough independent chains.
+   q4's offset term is a scalar FMA per block in the same loop (a separate pass cost more at K = 576). */
+#define QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b, ACC)                                                         \
+    {                                                                                                           \
+        const __m256i w = LOAD(wr + (b) * (BYTES));                                                             \
         for (int m = 0; m < MT; m++) {                                                                          \
-            const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + (m * nb + b) * QI8_B));                  \
-            const __m256 s = _mm256_set1_ps(wscale[b] * xd[m * nb + b]);                                        \
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(w, q)), s, acc[m]);                                 \
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + (m * nb + (b)) * QI8_B));                \
+            const __m256 s = _mm256_set1_ps(wscale[b] * xd[m * nb + (b)]);                                      \
+            ACC[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(w, q)), s, ACC[m]);                                 \
+            if (OFF) so[m] += woff[b] * xds[m * nb + (b)];                                                      \
         }                                                                                                       \
+    }
+#define DEFINE_QI8_ROW_AVX2(NAME, LOAD, DOT, BYTES, OFF)                                                     \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* wscale,                 \
+                                                       const float* woff, const int8_t* xq, const float* xd,   \
+                                                       const float* xds, int64_t nb, int MT, float* dot) {      \
+    __m256 acc[QI8_T], odd[QI8_T];                                                                              \
+    float so[QI8_T];                                                                                            \
+    for (int m = 0; m < MT; m++) { acc[m] = odd[m] = _mm256_setzero_ps(); so[m] = 0.f; }                         \
+    int64_t b = 0;                                                                                              \
+    for (; b + 1 < nb; b += 2) {                                                                                \
+        QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b, acc)                                                           \
+        if (MT <= 4) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b + 1, odd)                                          \
+        else QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b + 1, acc)                                                  \
     }                                                                                                           \
-    for (int m = 0; m < MT; m++) dot[m] = qi8_hsum(acc[m]);                                                     \
+    if (b < nb) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b, acc)                                                   \
+    for (int m = 0; m < MT; m++) dot[m] = qi8_hsum(MT <= 4 ? _mm256_add_ps(acc[m], odd[m]) : acc[m]) + so[m];   \
 }
-DEFINE_QI8_ROW_AVX2(qi8_q4_row, QI8_LOAD_Q4, qi8_dot_q4, 16)
-DEFINE_QI8_ROW_AVX2(qi8_q8_row, QI8_LOAD_Q8, qi8_dot_q8, 32)
+DEFINE_QI8_ROW_AVX2(qi8_q4_row, QI8_LOAD_Q4, qi8_dot_q4, 16, 1)
+DEFINE_QI8_ROW_AVX2(qi8_q8_row, QI8_LOAD_Q8, qi8_dot_q8, 32, 0)
 
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
@@ -147,24 +160,26 @@ static inline void qi8_q8_codes(const uint8_t* p, int8x16_t w[2]) {
     w[1] = vld1q_s8((const int8_t*)p + 16);
 }
 
-#define DEFINE_QI8_ROW_NEON(NAME, LOAD, BYTES)                                                               \
+#define DEFINE_QI8_ROW_NEON(NAME, LOAD, BYTES, OFF)                                                          \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* wscale,                 \
-                                                       const int8_t* xq, const float* xd, int64_t nb, int MT,  \
-                                                       float* dot) {                                            \
+                                                       const float* woff, const int8_t* xq, const float* xd,   \
+                                                       const float* xds, int64_t nb, int MT, float* dot) {      \
     float32x4_t acc[QI8_T];                                                                                     \
-    for (int m = 0; m < MT; m++) acc[m] = vdupq_n_f32(0.f);                                                     \
+    float so[QI8_T];                                                                                            \
+    for (int m = 0; m < MT; m++) { acc[m] = vdupq_n_f32(0.f); so[m] = 0.f; }                                    \
     for (int64_t b = 0; b < nb; b++) {                                                                          \
         int8x16_t w[2];                                                                                         \
         LOAD(wr + b * (BYTES), w);                                                                              \
         for (int m = 0; m < MT; m++) {                                                                          \
             const int32x4_t s = qi8_dot_block(w[0], w[1], xq + (m * nb + b) * QI8_B);                           \
             acc[m] = vfmaq_n_f32(acc[m], vcvtq_f32_s32(s), wscale[b] * xd[m * nb + b]);                         \
+            if (OFF) so[m] += woff[b] * xds[m * nb + b];                                                        \
         }                                                                                                       \
     }                                                                                                           \
-    for (int m = 0; m < MT; m++) dot[m] = vaddvq_f32(acc[m]);                                                   \
+    for (int m = 0; m < MT; m++) dot[m] = vaddvq_f32(acc[m]) + so[m];                                           \
 }
-DEFINE_QI8_ROW_NEON(qi8_q4_row, qi8_q4_codes, 16)
-DEFINE_QI8_ROW_NEON(qi8_q8_row, qi8_q8_codes, 32)
+DEFINE_QI8_ROW_NEON(qi8_q4_row, qi8_q4_codes, 16, 1)
+DEFINE_QI8_ROW_NEON(qi8_q8_row, qi8_q8_codes, 32, 0)
 
 #else /* portable C: integer loops GCC vectorises where the target allows */
 
@@ -192,18 +207,20 @@ static inline int32_t qi8_dot_q8(const uint8_t* p, const int8_t* q) {
     return s;
 }
 
-#define DEFINE_QI8_ROW_C(NAME, DOT, BYTES)                                                                   \
+#define DEFINE_QI8_ROW_C(NAME, DOT, BYTES, OFF)                                                              \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* wscale,                 \
-                                                       const int8_t* xq, const float* xd, int64_t nb, int MT,  \
-                                                       float* dot) {                                            \
+                                                       const float* woff, const int8_t* xq, const float* xd,   \
+                                                       const float* xds, int64_t nb, int MT, float* dot) {      \
     float acc[QI8_T] = {0.f};                                                                                   \
     for (int64_t b = 0; b < nb; b++)                                                                            \
-        for (int m = 0; m < MT; m++)                                                                            \
+        for (int m = 0; m < MT; m++) {                                                                          \
             acc[m] += (wscale[b] * xd[m * nb + b]) * (float)DOT(wr + b * (BYTES), xq + (m * nb + b) * QI8_B);   \
+            if (OFF) acc[m] += woff[b] * xds[m * nb + b];                                                       \
+        }                                                                                                       \
     for (int m = 0; m < MT; m++) dot[m] = acc[m];                                                               \
 }
-DEFINE_QI8_ROW_C(qi8_q4_row, qi8_dot_q4, 16)
-DEFINE_QI8_ROW_C(qi8_q8_row, qi8_dot_q8, 32)
+DEFINE_QI8_ROW_C(qi8_q4_row, qi8_dot_q4, 16, 1)
+DEFINE_QI8_ROW_C(qi8_q8_row, qi8_dot_q8, 32, 0)
 #endif
 
 /* M rows of x (row m at x + m * xs, K a multiple of 32) into xq (M, K), xd and ds (M, K / 32), contiguous. */
@@ -215,8 +232,9 @@ static inline void qi8_quantize_rows(const float* x, int64_t M, int64_t xs, int6
             qi8_quantize_block(x + m * xs + b * QI8_B, xq + m * K + b * QI8_B, xd + m * nb + b, ds + m * nb + b);
 }
 
-/* One weight row (wr, its scales ws) against mt (1..QI8_T) quantized rows of x: dot[m], without q4's offset
-   term. A switch to a constant tile so each size gets its own unrolled body. */
+/* One weight row (wr, its scales ws and, for q4, offsets wo) against mt (1..QI8_T) quantized rows of x (xq, xd,
+   xds as qi8_quantize_rows wrote them, from the tile's first row): dot[m], q4's offset term included, no
+   residual. A switch to a constant tile so each size gets its own unrolled body. */
 #define QI8_DISPATCH(ROW, mt, ...)                                                                            \
     switch (mt) {                                                                                              \
         case 1: ROW(__VA_ARGS__, 1, dot); break;                                                               \
@@ -228,12 +246,12 @@ static inline void qi8_quantize_rows(const float* x, int64_t M, int64_t xs, int6
         case 7: ROW(__VA_ARGS__, 7, dot); break;                                                               \
         default: ROW(__VA_ARGS__, 8, dot); break;                                                              \
     }
-static inline void qi8_rows(int fmt, const uint8_t* wr, const float* ws, const int8_t* xq, const float* xd,
-                            int64_t nb, int mt, float* dot) {
+static inline void qi8_rows(int fmt, const uint8_t* wr, const float* ws, const float* wo, const int8_t* xq,
+                            const float* xd, const float* xds, int64_t nb, int mt, float* dot) {
     if (fmt == 0) {
-        QI8_DISPATCH(qi8_q4_row, mt, wr, ws, xq, xd, nb);
+        QI8_DISPATCH(qi8_q4_row, mt, wr, ws, wo, xq, xd, xds, nb);
     } else {
-        QI8_DISPATCH(qi8_q8_row, mt, wr, ws, xq, xd, nb);
+        QI8_DISPATCH(qi8_q8_row, mt, wr, ws, wo, xq, xd, xds, nb);
     }
 }
 
@@ -260,16 +278,8 @@ void qgemm_i8_f32(const nxd_qgemm_args* a) {
         for (int64_t m0 = 0; m0 < M; m0 += QI8_T) {
             const int mt = (int)(M - m0 < QI8_T ? M - m0 : QI8_T);
             float dot[QI8_T];
-            qi8_rows(fmt, wr, ws, xq + m0 * K, xd + m0 * nb, nb, mt, dot);
-            if (fmt == 0) {
-                const float* off = a->offset + n * nb;
-                for (int m = 0; m < mt; m++) {
-                    const float* dsm = ds + (m0 + m) * nb;
-                    float s = 0.f;
-                    for (int64_t b = 0; b < nb; b++) s += off[b] * dsm[b];
-                    dot[m] += s;
-                }
-            }
+            qi8_rows(fmt, wr, ws, fmt == 0 ? a->offset + n * nb : NULL, xq + m0 * K, xd + m0 * nb, ds + m0 * nb,
+                     nb, mt, dot);
             for (int m = 0; m < mt; m++) {
                 float v = dot[m];
                 if (a->res) v += a->res[(m0 + m) * a->rs + n];
