@@ -154,7 +154,8 @@ def _run_check_program(cc: list[str], flags: list[str], out: Path, runner: list[
 
 
 @cross.needs_compiler
-@pytest.mark.parametrize("variant", cross._slow_but_first(cross.HOST_VARIANTS))
+@pytest.mark.slow  # ~10 s a variant; the library tests above run the same paths in the default suite
+@pytest.mark.parametrize("variant", cross.HOST_VARIANTS)
 def test_check_program_on_every_host_variant(variant: str, tmp_path: Path) -> None:
     cc = cpu_kernels.compiler()
     assert cc is not None
