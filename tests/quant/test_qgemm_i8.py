@@ -83,6 +83,12 @@ def test_int8_activations_compute_the_rounded_product_and_stay_within_its_bound(
                 bound = (d * 0.5) @ dense.abs().t() + magnitude * 4e-6
                 assert bool(((got.double() - exact.double()).abs() <= bound).all())
                 assert not torch.equal(got, exact)  # the rounding happened: this is not the fp32 kernel
+                # rows apart in memory (stride > K) and bf16 activations take the same rounding
+                strided = torch.zeros(rows, k + 40)
+                strided[:, 3 : 3 + k] = x
+                torch.testing.assert_close(q(strided[:, 3 : 3 + k], residual), got, rtol=0, atol=0)
+                xb = x.bfloat16()
+                torch.testing.assert_close(q(xb).float(), q(xb.float()).bfloat16().float(), rtol=0, atol=0)
     finally:
         quant.int8_activations = False
         torch.set_num_threads(saved)
