@@ -11,11 +11,12 @@
    The integer block sums are exact (at most 32 * 128 * 127 in magnitude); the fp32 part is one product and
    FMA per block, so against the same math in float64 only fp32 rounding separates them.
 
-   For a fused forward (one translation unit with kernels.c): quantize a linear's input once with
-   qi8_quantize_rows (rows shared by linears with the same input, e.g. qkv and gate_up after their norms, are
-   quantized once), then in the parallel region call qi8_rows(format, ...) per weight row: MT <= QI8_T rows of
-   x against one weight row, dot[m] out; q4's offset term and the residual are the caller's (as below). Scratch
-   per M rows of K: M*K int8 + 2*M*K/32 floats. */
+   For a fused forward (one translation unit with kernels.c): quantize each linear input once with
+   qi8_quantize_rows (every weight row of that linear, and any other linear reading the same normed rows, reuses
+   it), then in the parallel region call qi8_rows(format, w row, its scales, its offsets or NULL, xq, xd, xds, nb,
+   mt, dot) per weight row: mt <= QI8_T rows of x against one weight row, dot[m] out with q4's offset term
+   included; the residual is the caller's (as qgemm_i8_f32 below does). Scratch per M rows of K: M*K int8 +
+   2*M*K/32 floats. */
 
 #define QI8_T 8   /* rows of x per pass over a weight row (register tile) */
 #define QI8_B 32  /* elements per block */
