@@ -24,6 +24,8 @@ KERNEL_TESTS = [
     "tests/unit/test_fused_decode.py",
     "tests/unit/test_greedy_head.py",
     "tests/lora/test_lora_kernel.py",
+    "tests/quant/test_fused_qdecode.py::test_fused_step_equals_the_layer_path",
+    "tests/quant/test_fused_qdecode.py::test_fused_step_covers_biases_windows_and_head_shapes",
 ]
 RUNNER = """
 import sys
