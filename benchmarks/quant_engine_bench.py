@@ -6,7 +6,9 @@ one decode step reads over ``--bandwidth-gbs``) and writes JSON.
     PYTHONPATH=$PWD python benchmarks/quant_engine_bench.py [--batches 1 32] [--tokens 48] [--cpu-isa auto]
         [--configs float32 float32/gguf ...] [--cpu-quant-dense-rows N]
 
-Configs are ``dtype`` or ``dtype/quantization``. It runs on any tree whose EngineConfig has ``quantization``
+Configs are ``dtype`` or ``dtype/quantization``, optionally suffixed ``~unfused`` (``--no-cpu-fused-quant-decode``:
+quantized steps layer by layer, for an A/B of the fused forward in the same run); ``--rounds N`` runs the list N
+times (interleaved A/B). It runs on any tree whose EngineConfig has ``quantization``
 (main's too: run it from /work/main with main's PYTHONPATH for a before/after in the same session).
 """
 
@@ -62,16 +64,19 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--bandwidth-gbs", type=float, default=24.0, help="the machine's measured memory bandwidth")
     ap.add_argument("--label", default="", help="a name for this tree in the table (before / after)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the config list this many times, in turn")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cpu_kw: dict[str, object] = {"isa": args.cpu_isa}
     if args.cpu_quant_dense_rows is not None and "quant_dense_rows" in {f.name for f in fields(CpuOptions)}:
         cpu_kw["quant_dense_rows"] = args.cpu_quant_dense_rows
     rows: list[dict[str, object]] = []
-    for spec in args.configs:
-        dtype, _, method = spec.partition("/")
+    for spec in [c for _ in range(args.rounds) for c in args.configs]:
+        base_spec, _, variant = spec.partition("~")
+        dtype, _, method = base_spec.partition("/")
+        options = dict(cpu_kw, fused_quant_decode=False) if variant == "unfused" else cpu_kw
         config = EngineConfig(model=None, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
-                              max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**cpu_kw))  # type: ignore[arg-type]
+                              max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**options))  # type: ignore[arg-type]
         core, _ = build_engine_core(config, with_metrics=False)
         model = core.backend.model  # type: ignore[attr-defined]
         for batch in args.batches:
@@ -88,7 +93,8 @@ def main() -> None:
         for r in rows:
             if r["batch"] == batch:
                 tok_s = float(r["tok_s"])  # type: ignore[arg-type]
-                label = f"{r['config']} -> {r['served']}" if r["config"] == "auto" else str(r["config"])
+                auto = str(r["config"]).startswith("auto")
+                label = f"{r['config']} -> {r['served']}" if auto else str(r["config"])
                 print(f"batch {batch:>3}  {label:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
                       f"step {float(r['step_ms']):6.1f} ms  weights {float(r['weight_mb']):6.1f} MB  "  # type: ignore[arg-type]
                       f"bw {100 * float(r['bw_share']):5.1f}%")  # type: ignore[arg-type]

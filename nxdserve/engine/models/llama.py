@@ -291,7 +291,7 @@ class LlamaFamilyModel(nn.Module):
             x = (F.embedding(token_ids, self.embed_weight) if embeds is None else embeds).contiguous()
             return self.fused_decode.run(x, meta, kv_cache, keep, on_compute, cos_sin)
         if self.fused_quant_decode.accepts(token_ids, meta, kv_cache):
-            x = F.embedding(token_ids, self.embed_weight) if embeds is None else embeds
+            x = F.embedding(token_ids, self.embed_weight) if embeds is None else embeds.clone()  # overwritten
             return self.fused_quant_decode.run(x, meta, kv_cache, keep, on_compute, cos_sin)
         x = F.embedding(token_ids, self.embed_weight) if embeds is None else embeds
         positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
