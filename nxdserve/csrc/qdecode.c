@@ -17,8 +17,10 @@
    Then the final RMSNorm in place. Activations and the KV cache are fp32, the weights' codes are widened in
    registers by qgemm.c's row kernels (q_weight_row): the layer path's results to fp32 rounding.
 
-   GEMV rows are shared out in equal contiguous shares (static schedule): the same split every phase, so a
-   thread's rows of a weight stay in its core's cache across steps where they fit. */
+   GEMV rows are shared out in chunks of 16 taken as threads free up (dynamic schedule), the heads one at a time:
+   on a shared machine (other processes, or the server's own event-loop thread) a thread that lost its core for a
+   while leaves its rows to the others instead of holding every phase's barrier. Each row is computed whole by one
+   thread, so the results do not depend on the split. (Static equal shares measured the same on an unshared run.) */
 
 enum {
     QD_IN_NORM, QD_QKV, QD_QKV_SCALE, QD_QKV_OFFSET, QD_QKV_BIAS, QD_O, QD_O_SCALE, QD_O_OFFSET, QD_O_BIAS,
@@ -104,14 +106,14 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             /* 1. input norm, q/k/v */
             qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
             if (wqkv.fmt == 0) q_block_sums(h, T, H, H / QB, xsum);
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < NQKV; n++) {
                 qd_row(&wqkv, n, h, H, xsum, T, dot);
                 for (int64_t t = 0; t < T; t++) qkv[t * NQKV + n] = dot[t];
             }
 
             /* 2. RoPE on q and k heads; K and V into the cache */
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(dynamic, 1)")
             for (int64_t it = 0; it < T * (NH + NKV); it++) {
                 const int64_t t = it / (NH + NKV), head = it % (NH + NKV);
                 float* row = qkv + t * NQKV;
@@ -124,7 +126,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             }
 
             /* 3. attention of each (row, KV head) over its slot's context */
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(dynamic, 1)")
             for (int64_t it = 0; it < T * NKV; it++) {
                 const int64_t t = it / NKV, j = it % NKV, pos = a->pos[t];
                 const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
@@ -139,7 +141,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 4. o-proj and the residual */
             if (wo.fmt == 0) q_block_sums(attn, T, QS, QS / QB, xsum);
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < H; n++) {
                 qd_row(&wo, n, attn, QS, xsum, T, dot);
                 for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
@@ -148,7 +150,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             /* 5. post-attention norm, gate and up, SiLU(gate) * up */
             qd_rmsnorm(x, (const float*)p[QD_POST_NORM], a->eps, h, T, H);
             if (wgu.fmt == 0) q_block_sums(h, T, H, H / QB, xsum);
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < I; n++) {
                 qd_row(&wgu, n, h, H, xsum, T, dot);
                 qd_row(&wgu, I + n, h, H, xsum, T, dot + T);
@@ -160,7 +162,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 6. down-proj and the residual */
             if (wdown.fmt == 0) q_block_sums(act, T, I, I / QB, xsum);
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < H; n++) {
                 qd_row(&wdown, n, act, I, xsum, T, dot);
                 for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];

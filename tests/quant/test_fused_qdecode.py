@@ -63,7 +63,9 @@ STEPS = {
 }
 
 
-def _run_step(model: LlamaFamilyModel, fused: bool, step: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run_step(
+    model: LlamaFamilyModel, fused: bool, step: str, threads: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A prefilled cache, then one step, fused or layer by layer: (hidden, logits, the whole KV cache)."""
     gen = torch.Generator().manual_seed(11)
     slots, lens = STEPS[step]
@@ -74,6 +76,7 @@ def _run_step(model: LlamaFamilyModel, fused: bool, step: str) -> tuple[torch.Te
         fused_qdecode.enabled = False
         cache = _prefilled(model, torch.Generator().manual_seed(5))
         fused_qdecode.enabled = fused
+        torch.set_num_threads(threads)
         try:
             meta = _meta(model, slots, starts, lens)
             with torch.inference_mode():
@@ -82,6 +85,7 @@ def _run_step(model: LlamaFamilyModel, fused: bool, step: str) -> tuple[torch.Te
                 logits = model.compute_logits(hidden)
         finally:
             fused_qdecode.enabled = saved
+            torch.set_num_threads(1)
     return hidden, logits, cache.data.clone()
 
 
@@ -101,6 +105,14 @@ def test_fused_step_equals_the_layer_path(kernel_path: str, method: str, step: s
     slots, lens = STEPS[step]
     for slot, n in zip(slots, lens, strict=True):  # the step's K/V were written (not left as the prefill's zeros)
         assert fused[2][:, :, slot, :, PROMPT_LENS[slot] + n - 1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("step", ["four-slots", "verify"])
+def test_fused_step_on_three_threads_equals_the_layer_path(kernel_path: str, step: str) -> None:
+    """Rows, heads and (row, KV head) items shared out over a team: each row is still computed whole by one
+    thread, so the split does not change the results (three threads: shares that do not divide evenly)."""
+    model = _model("llama", "int4-g32")
+    _assert_same(_run_step(model, True, step, threads=3), _run_step(model, False, step))
 
 
 @pytest.mark.parametrize("family", ["llama-linear-bias", "mistral-window", "qwen2", "llama-llama3-untied", "qwen3"])
