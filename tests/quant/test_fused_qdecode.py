@@ -55,11 +55,13 @@ def _prefilled(model: LlamaFamilyModel, gen: torch.Generator) -> SlotKVCache:
 
 # (slots, lens) of the steps compared, each row from its slot's prompt length: one decode row; four rows in
 # different slots at different positions (given out of slot order); a verify step (3 tokens of one slot, each
-# attending to the ones before it) next to a decode row.
+# attending to the ones before it) next to a decode row; a short prefill chunk.
 STEPS = {
     "one-row": ([2], [1]),
     "four-slots": ([3, 0, 2, 1], [1, 1, 1, 1]),
     "verify": ([1, 0], [3, 1]),
+    # a 12-token prompt chunk (the layer path attends it through SDPA with a causal mask) next to a decode row
+    "chunk": ([3, 0], [12, 1]),
 }
 
 
