@@ -6,11 +6,11 @@ one decode step reads over ``--bandwidth-gbs``) and writes JSON.
     PYTHONPATH=$PWD python benchmarks/quant_engine_bench.py [--batches 1 32] [--tokens 48] [--cpu-isa auto]
         [--configs float32 float32/gguf ...] [--cpu-quant-dense-rows N]
 
-Configs are ``dtype`` or ``dtype/quantization``, each optionally suffixed ``+i8``: the same with
-``CpuOptions.quant_int8_activations`` on (the small-row kernel rounds the activations to int8, csrc/qgemm_i8.c);
-repeat configs to interleave them (``--configs auto auto+i8 auto auto+i8``). It runs on any tree whose
-EngineConfig has ``quantization`` (main's too: run it from /work/main with main's PYTHONPATH for a before/after
-in the same session).
+Configs are ``dtype`` or ``dtype/quantization``, optionally suffixed ``+i8`` (``CpuOptions.quant_int8_activations``:
+the small-row kernels round the activations to int8, csrc/qgemm_i8.c) and then ``~unfused``
+(``--no-cpu-fused-quant-decode``: quantized steps layer by layer); ``--rounds N`` runs the list N times (interleaved
+A/B: ``--configs auto auto+i8 auto~unfused --rounds 3``). It runs on any tree whose EngineConfig has ``quantization``
+(main's too: run it from /work/main with main's PYTHONPATH for a before/after in the same session).
 """
 
 from __future__ import annotations
@@ -65,18 +65,24 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--bandwidth-gbs", type=float, default=24.0, help="the machine's measured memory bandwidth")
     ap.add_argument("--label", default="", help="a name for this tree in the table (before / after)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the config list this many times, in turn")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cpu_kw: dict[str, object] = {"isa": args.cpu_isa}
     if args.cpu_quant_dense_rows is not None and "quant_dense_rows" in {f.name for f in fields(CpuOptions)}:
         cpu_kw["quant_dense_rows"] = args.cpu_quant_dense_rows
     rows: list[dict[str, object]] = []
-    for spec in args.configs:
-        base_spec, int8_activations = spec.removesuffix("+i8"), spec.endswith("+i8")
+    for spec in [c for _ in range(args.rounds) for c in args.configs]:
+        base_spec, _, variant = spec.partition("~")
+        base_spec, int8_activations = base_spec.removesuffix("+i8"), base_spec.endswith("+i8")
         dtype, _, method = base_spec.partition("/")
-        options = CpuOptions(**cpu_kw, **({"quant_int8_activations": True} if int8_activations else {}))
+        options: dict[str, object] = dict(cpu_kw)
+        if variant == "unfused":
+            options["fused_quant_decode"] = False
+        if int8_activations:
+            options["quant_int8_activations"] = True
         config = EngineConfig(model=None, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
-                              max_model_len=256, max_num_seqs=max(args.batches), cpu=options)
+                              max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**options))  # type: ignore[arg-type]
         core, _ = build_engine_core(config, with_metrics=False)
         model = core.backend.model  # type: ignore[attr-defined]
         for batch in args.batches:
@@ -93,7 +99,8 @@ def main() -> None:
         for r in rows:
             if r["batch"] == batch:
                 tok_s = float(r["tok_s"])  # type: ignore[arg-type]
-                label = f"{r['config']} -> {r['served']}" if r["config"] in ("auto", "auto+i8") else str(r["config"])
+                auto = str(r["config"]).startswith("auto")
+                label = f"{r['config']} -> {r['served']}" if auto else str(r["config"])
                 print(f"batch {batch:>3}  {label:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
                       f"step {float(r['step_ms']):6.1f} ms  weights {float(r['weight_mb']):6.1f} MB  "  # type: ignore[arg-type]
                       f"bw {100 * float(r['bw_share']):5.1f}%")  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ class CpuOptions:
     gemm: bool = True  # the packed-panel bf16 GEMM (AVX512-BF16 builds); off: oneDNN
     compressed_weights: bool = True  # AMX GEMMs read 12-bit lossless weight copies
     fused_decode: bool = True  # one C call for a bf16 forward's layers (AVX512-BF16 builds)
+    fused_quant_decode: bool = True  # one C call for a quantized fp32 forward's layers, up to quant_dense_rows rows
     greedy_head: bool = True  # greedy tokens from an int8-screened LM head (AVX512-VNNI builds)
     packed_linear: bool = True  # oneDNN weights prepacked once (bf16)
     kv_huge_pages: bool = True  # the KV cache in transparent huge pages (Linux)
@@ -58,6 +59,11 @@ _SWITCHES = (
     ("gemm", "--no-cpu-gemm", "bf16 GEMMs through oneDNN instead of the packed-panel kernel"),
     ("compressed_weights", "--no-cpu-compressed-weights", "AMX GEMMs read the plain bf16 weights"),
     ("fused_decode", "--no-cpu-fused-decode", "run bf16 forwards layer by layer instead of one fused call"),
+    (
+        "fused_quant_decode",
+        "--no-cpu-fused-quant-decode",
+        "run quantized (4/8-bit) fp32 forwards of a few rows layer by layer instead of one fused call",
+    ),
     ("greedy_head", "--no-cpu-greedy-head", "greedy rows take the full LM head and argmax"),
     ("packed_linear", "--no-cpu-packed-linear", "no prepacked oneDNN weights (F.linear)"),
     ("kv_huge_pages", "--no-cpu-kv-huge-pages", "no transparent huge pages for the KV cache"),

@@ -33,6 +33,7 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
 #include "decode.c"
 #include "greedy_head.c"
 #include "qgemm.c"
+#include "qdecode.c"
 #include "lora.c"
 #include "qgemm_i8.c"
 
@@ -88,6 +89,15 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_qgemm_args, offset), NXD_FIELD(nxd_qgemm_args, res), NXD_FIELD(nxd_qgemm_args, rs),
     NXD_FIELD(nxd_qgemm_args, N), NXD_FIELD(nxd_qgemm_args, out), NXD_FIELD(nxd_qgemm_args, os),
     NXD_FIELD(nxd_qgemm_args, format), NXD_FIELD(nxd_qgemm_args, nthreads),
+
+    NXD_SIZE(nxd_qdecode_args),
+    NXD_FIELD(nxd_qdecode_args, x), NXD_FIELD(nxd_qdecode_args, T), NXD_FIELD(nxd_qdecode_args, lw),
+    NXD_FIELD(nxd_qdecode_args, formats), NXD_FIELD(nxd_qdecode_args, windows), NXD_FIELD(nxd_qdecode_args, L),
+    NXD_FIELD(nxd_qdecode_args, final_norm), NXD_FIELD(nxd_qdecode_args, cos), NXD_FIELD(nxd_qdecode_args, sin),
+    NXD_FIELD(nxd_qdecode_args, slots), NXD_FIELD(nxd_qdecode_args, pos), NXD_FIELD(nxd_qdecode_args, H),
+    NXD_FIELD(nxd_qdecode_args, NH), NXD_FIELD(nxd_qdecode_args, NKV), NXD_FIELD(nxd_qdecode_args, D),
+    NXD_FIELD(nxd_qdecode_args, I), NXD_FIELD(nxd_qdecode_args, c_ss), NXD_FIELD(nxd_qdecode_args, c_sh),
+    NXD_FIELD(nxd_qdecode_args, eps), NXD_FIELD(nxd_qdecode_args, nthreads),
 
     NXD_SIZE(nxd_lora_args),
     NXD_FIELD(nxd_lora_args, x), NXD_FIELD(nxd_lora_args, M), NXD_FIELD(nxd_lora_args, K),

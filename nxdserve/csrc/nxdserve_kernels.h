@@ -170,6 +170,34 @@ typedef struct nxd_qgemm_args {
 
 void qgemm_f32(const nxd_qgemm_args* a);
 
+/* ---- qdecode.c: the fused forward of a quantized decoder stack for a few rows (every variant) --------------- */
+/* x (T, H) fp32, overwritten with the stack's output (final-normed where final_norm is not NULL). lw:
+   QDECODE_LAYER_POINTERS pointers per layer, in qdecode.c's order: input norm; qkv codes, scales, offsets, bias;
+   o likewise; post norm; gate_up likewise (gate rows 0..I-1, up rows I..2I-1); down likewise; K and V cache of the
+   layer (fp32, line of slot s, KV head h, position p at cache + s*c_ss + h*c_sh + p*D). Offsets (q4 only) and
+   biases NULL when absent. formats: 4 per layer (qkv, o, gate_up, down), qgemm's format numbers; every K a multiple
+   of 32. cos/sin (T, D): each row's rotary table row. windows (L) or NULL: sliding windows (0: none). Row t writes
+   its K/V at (slots[t], pos[t]) and attends to its slot's keys up to pos[t]. */
+#define QDECODE_LAYER_POINTERS 20
+typedef struct nxd_qdecode_args {
+    float* x;
+    int64_t T;
+    const void* const* lw;
+    const int32_t* formats;
+    const int64_t* windows;
+    int64_t L;
+    const float* final_norm;
+    const float* cos;
+    const float* sin;
+    const int64_t* slots;
+    const int64_t* pos;
+    int64_t H, NH, NKV, D, I, c_ss, c_sh;
+    float eps;
+    int32_t nthreads;
+} nxd_qdecode_args;
+
+void qdecode_forward_f32(const nxd_qdecode_args* a);
+
 /* ---- lora.c: multi-LoRA shrink + expand of one linear, each row on its own adapter ------------------------ */
 /* x (M, K), row m at x + m*xs; idx[m]: row m's adapter (-1: none, its out row untouched); a (n_adapters, S*rmax,
    K) and b = B transposed (n_adapters, rmax, N), both contiguous, for S packed modules whose output columns are

@@ -195,55 +195,74 @@ DEFINE_ROW_C(fp8_block_row, fp8_widen, 32)
         default: ROW(wr, bs, x, xs, nb, 8, dot); break;                                                      \
     }
 
+/* The blocks' sums of x (M rows, stride xs, nb blocks): q4's offset term is offset[n, :] . xsum[m, :]. */
+static inline void q_block_sums(const float* x, int64_t M, int64_t xs, int64_t nb, float* xsum) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float* xb = x + m * xs + b * QB;
+            float s = 0.f;
+            for (int i = 0; i < QB; i++) s += xb[i];
+            xsum[m * nb + b] = s;
+        }
+}
+
+/* dot[m] (m < M) = weight row n . x[m] for a quantized weight (format fmt, rows of row_bytes codes, nb blocks of
+   scales and q4 offsets); xsum: q_block_sums of x (q4 only). Tiles of QT rows of x per pass over the row. Shared
+   by qgemm_f32 and the fused quantized forward (qdecode.c). */
+static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, const float* offset, int64_t row_bytes,
+                                int64_t nb, int64_t n, const float* x, int64_t xs, const float* xsum, int64_t M,
+                                float* dot) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* bs = scale + n * nb;
+    for (int64_t m0 = 0; m0 < M; m0 += QT) {
+        const int mt = (int)(M - m0 < QT ? M - m0 : QT);
+        const float* xt = x + m0 * xs;
+        float* d = dot + m0;
+        if (fmt == 0) {
+            DISPATCH_MT(q4_row, wr, bs, xt, xs, nb, mt, d);
+            const float* off = offset + n * nb;
+            for (int m = 0; m < mt; m++) {
+                const float* xm = xsum + (m0 + m) * nb;
+                float s = 0.f;
+                for (int64_t b = 0; b < nb; b++) s += off[b] * xm[b];
+                d[m] += s;
+            }
+        } else if (fmt == 1) {
+            DISPATCH_MT(q8_row, wr, bs, xt, xs, nb, mt, d);
+        } else {
+            DISPATCH_MT(fp8_block_row, wr, bs, xt, xs, nb, mt, d);
+            for (int m = 0; m < mt; m++) d[m] *= FP8_ROW_UNIT;
+        }
+    }
+}
+
 void qgemm_f32(const nxd_qgemm_args* a) {
     const int64_t M = a->M, K = a->K, N = a->N, nb = a->K / QB, xs = a->xs;
     const int fmt = a->format;
     const int64_t row_bytes = fmt == 0 ? K / 2 : K;
-    /* q4's offset term: offset[n, :] . xsum[m, :], the blocks' sums of x taken once here. */
     float* xsum = NULL;
     if (fmt == 0) {
         xsum = (float*)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb; b++) {
-                const float* xb = a->x + m * xs + b * QB;
-                float s = 0.f;
-                for (int i = 0; i < QB; i++) s += xb[i];
-                xsum[m * nb + b] = s;
-            }
+        q_block_sums(a->x, M, xs, nb, xsum);
     }
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* waking the other threads would cost more than it saves */
     /* Chunks of 32 weight rows taken as threads free up: on a shared machine a descheduled sibling no longer holds
        half the rows (each row is computed whole by one thread, so the results do not depend on the split). */
-    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 32)")
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* wr = a->w + n * row_bytes;
-        const float* bs = a->scale + n * nb;
-        for (int64_t m0 = 0; m0 < M; m0 += QT) {
-            const int mt = (int)(M - m0 < QT ? M - m0 : QT);
-            const float* x = a->x + m0 * xs;
-            float dot[QT];
-            if (fmt == 0) {
-                DISPATCH_MT(q4_row, wr, bs, x, xs, nb, mt, dot);
-                const float* off = a->offset + n * nb;
-                for (int m = 0; m < mt; m++) {
-                    const float* xm = xsum + (m0 + m) * nb;
-                    float s = 0.f;
-                    for (int64_t b = 0; b < nb; b++) s += off[b] * xm[b];
-                    dot[m] += s;
-                }
-            } else if (fmt == 1) {
-                DISPATCH_MT(q8_row, wr, bs, x, xs, nb, mt, dot);
-            } else {
-                DISPATCH_MT(fp8_block_row, wr, bs, x, xs, nb, mt, dot);
-                for (int m = 0; m < mt; m++) dot[m] *= FP8_ROW_UNIT;
-            }
-            for (int m = 0; m < mt; m++) {
+    _Pragma("omp parallel num_threads(nt)")
+    {
+        float on_stack[64];
+        float* dot = M <= 64 ? on_stack : (float*)malloc(sizeof(float) * (size_t)M);
+        _Pragma("omp for schedule(dynamic, 32)")
+        for (int64_t n = 0; n < N; n++) {
+            q_weight_row(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, a->x, xs, xsum, M, dot);
+            for (int64_t m = 0; m < M; m++) {
                 float v = dot[m];
-                if (a->res) v += a->res[(m0 + m) * a->rs + n];
-                a->out[(m0 + m) * a->os + n] = v;
+                if (a->res) v += a->res[m * a->rs + n];
+                a->out[m * a->os + n] = v;
             }
         }
+        if (dot != on_stack) free(dot);
     }
     free(xsum);
 }

@@ -25,6 +25,9 @@ KERNEL_TESTS = [
     "tests/unit/test_greedy_head.py",
     "tests/lora/test_lora_kernel.py",
     "tests/quant/test_qgemm_i8.py::test_int8_activations_compute_the_rounded_product_and_stay_within_its_bound",
+    "tests/quant/test_fused_qdecode.py::test_fused_step_equals_the_layer_path",
+    "tests/quant/test_fused_qdecode.py::test_fused_step_on_three_threads_equals_the_layer_path",
+    "tests/quant/test_fused_qdecode.py::test_fused_step_covers_biases_windows_and_head_shapes",
 ]
 RUNNER = """
 import sys

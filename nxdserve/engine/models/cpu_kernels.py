@@ -261,9 +261,22 @@ class QgemmArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class QdecodeArgs(ctypes.Structure):
+    """``qdecode_forward_f32``'s args: the fused quantized forward (``fused_qdecode.py``)."""
+
+    _fields_ = [
+        *_fields("x", _p), *_fields("T", _i64), *_fields("lw formats windows", _p), *_fields("L", _i64),
+        *_fields("final_norm cos sin slots pos", _p), *_fields("H NH NKV D I c_ss c_sh", _i64),
+        ("eps", _f32), ("nthreads", _i32),
+    ]  # fmt: skip
+
+
+QDECODE_LAYER_POINTERS = 20  # nxdserve_kernels.h
+
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "nxd_attention_args": AttentionArgs,
     "nxd_qgemm_args": QgemmArgs,
+    "nxd_qdecode_args": QdecodeArgs,
     "nxd_gemm_args": GemmArgs,
     "nxd_decode_args": DecodeArgs,
     "nxd_greedy_head_args": GreedyHeadArgs,
@@ -342,6 +355,7 @@ def load(path: Path) -> ctypes.CDLL:
                 fn.argtypes, fn.restype = argtypes, restype
     lib.qgemm_f32.argtypes, lib.qgemm_f32.restype = [ctypes.POINTER(QgemmArgs)], None
     lib.qgemm_i8_f32.argtypes, lib.qgemm_i8_f32.restype = [ctypes.POINTER(QgemmArgs)], None
+    lib.qdecode_forward_f32.argtypes, lib.qdecode_forward_f32.restype = [ctypes.POINTER(QdecodeArgs)], None
     lib.omp_bind_team.argtypes = [ctypes.c_int, _p, ctypes.c_int, ctypes.c_int]
     lib.omp_bind_team.restype = ctypes.c_int
     lib.gemm_amx.restype = ctypes.c_int

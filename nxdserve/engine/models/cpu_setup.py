@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import cpu_kernels, fused_decode, gemm, greedy_head, huge_pages, linear, quant
+from nxdserve.engine.models import (
+    cpu_kernels,
+    fused_decode,
+    fused_qdecode,
+    gemm,
+    greedy_head,
+    huge_pages,
+    linear,
+    quant,
+)
 
 
 def apply(options: CpuOptions) -> str:
@@ -13,6 +22,7 @@ def apply(options: CpuOptions) -> str:
     gemm.enabled = options.gemm
     gemm.compression = options.compressed_weights
     fused_decode.enabled = options.fused_decode
+    fused_qdecode.enabled = options.fused_quant_decode
     greedy_head.enabled = options.greedy_head
     linear.enabled = options.packed_linear
     huge_pages.enabled = options.kv_huge_pages

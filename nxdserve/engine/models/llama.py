@@ -26,6 +26,7 @@ from nxdserve.engine.models.attention import (
     slot_attention,
 )
 from nxdserve.engine.models.fused_decode import FusedDecode
+from nxdserve.engine.models.fused_qdecode import FusedQuantDecode
 from nxdserve.engine.models.greedy_head import GreedyHead
 from nxdserve.engine.models.linear import linear
 from nxdserve.engine.models.quant import QuantLinear
@@ -228,6 +229,7 @@ class LlamaFamilyModel(nn.Module):
         self.greedy_head = GreedyHead(self.lm_head_weight)
         self.lm_head_quant: QuantLinear | None = None  # set by quantize_linears (the head's quantized copy)
         self.fused_decode = FusedDecode(spec, layers, self.rope, final_norm=self.norm)
+        self.fused_quant_decode = FusedQuantDecode(spec, layers, self.rope, self.norm)
 
     @classmethod
     def from_pretrained(
@@ -288,6 +290,9 @@ class LlamaFamilyModel(nn.Module):
         if self.fused_decode.accepts(token_ids, meta, kv_cache):
             x = (F.embedding(token_ids, self.embed_weight) if embeds is None else embeds).contiguous()
             return self.fused_decode.run(x, meta, kv_cache, keep, on_compute, cos_sin)
+        if self.fused_quant_decode.accepts(token_ids, meta, kv_cache):
+            x = F.embedding(token_ids, self.embed_weight) if embeds is None else embeds.clone()  # overwritten
+            return self.fused_quant_decode.run(x, meta, kv_cache, keep, on_compute, cos_sin)
         x = F.embedding(token_ids, self.embed_weight) if embeds is None else embeds
         positions = meta.positions if alts is None else torch.cat((meta.positions, alts.positions))
         cos, sin = self.rope.gather(positions) if cos_sin is None else cos_sin

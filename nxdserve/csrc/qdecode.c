@@ -1,0 +1,183 @@
+/* The fused forward of a quantized decoder stack for a few rows (part of kernels.c; every variant).
+
+   A decode step of a model served from 4/8-bit codes spends most of its time in ~4 quantized GEMVs per layer
+   (qgemm.c). Called one by one from Python, each pays a ctypes call and the wake-up of the OpenMP team, and
+   between them the other threads sleep while Python runs the norms, RoPE, attention and SiLU. Here all layers
+   run in ONE parallel region: every phase is a worksharing loop whose implicit barrier orders it with the next.
+
+   Per layer, for T rows (each its own slot and position; decode rows, several slots, or a verify step's rows of
+   one sequence):
+     1. RMSNorm of x (each thread its own copy: T x H is tiny, so no barrier), then q/k/v = h @ Wqkv^T;
+     2. RoPE on the q and k heads in place; K/V of every row written into its slot's cache line;
+     3. attention of each (row, KV head) over its slot's keys lo..pos (attention.c's fp32 item: GQA's query
+        heads share each key and value read);
+     4. x += attn @ Wo^T (each output column owned by one thread);
+     5. RMSNorm again (per thread), gate and up rows n and I + n by the same thread, act = silu(gate) * up;
+     6. x += act @ Wdown^T.
+   Then the final RMSNorm in place. Activations and the KV cache are fp32, the weights' codes are widened in
+   registers by qgemm.c's row kernels (q_weight_row): the layer path's results to fp32 rounding.
+
+   GEMV rows are shared out in chunks of 16 taken as threads free up (dynamic schedule), the heads one at a time:
+   on a shared machine (other processes, or the server's own event-loop thread) a thread that lost its core for a
+   while leaves its rows to the others instead of holding every phase's barrier. Each row is computed whole by one
+   thread, so the results do not depend on the split. (Static equal shares measured the same on an unshared run.) */
+
+enum {
+    QD_IN_NORM, QD_QKV, QD_QKV_SCALE, QD_QKV_OFFSET, QD_QKV_BIAS, QD_O, QD_O_SCALE, QD_O_OFFSET, QD_O_BIAS,
+    QD_POST_NORM, QD_GU, QD_GU_SCALE, QD_GU_OFFSET, QD_GU_BIAS, QD_DOWN, QD_DOWN_SCALE, QD_DOWN_OFFSET, QD_DOWN_BIAS,
+    QD_K_CACHE, QD_V_CACHE, QD_PTRS
+};
+_Static_assert(QD_PTRS == QDECODE_LAYER_POINTERS, "nxdserve_kernels.h's count of per-layer pointers");
+
+typedef struct qd_linear {
+    int fmt;
+    const uint8_t* w;
+    const float* scale;
+    const float* offset;
+    const float* bias;
+    int64_t nb, row_bytes;
+} qd_linear;
+
+static inline qd_linear qd_lin(const void* const* p, int32_t fmt, int64_t K) {
+    qd_linear l = {fmt, (const uint8_t*)p[0], (const float*)p[1], (const float*)p[2], (const float*)p[3], K / QB,
+                   fmt == 0 ? K / 2 : K};
+    return l;
+}
+
+/* dot[t] = weight row n . x[t] (+ bias[n]) for the T rows of x (row stride xs). */
+static inline void qd_row(const qd_linear* l, int64_t n, const float* x, int64_t xs, const float* xsum, int64_t T,
+                          float* dot) {
+    q_weight_row(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n, x, xs, xsum, T, dot);
+    if (l->bias)
+        for (int64_t t = 0; t < T; t++) dot[t] += l->bias[n];
+}
+
+/* out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), as add_rmsnorm_f32 without the add; out may be x. */
+static inline void qd_rmsnorm(const float* x, const float* w, float eps, float* out, int64_t T, int64_t H) {
+    for (int64_t t = 0; t < T; t++) {
+        const float* xr = x + t * H;
+        float* o = out + t * H;
+        float ss = 0.f;
+        for (int64_t c = 0; c < H; c++) ss += xr[c] * xr[c];
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t c = 0; c < H; c++) o[c] = w[c] * (xr[c] * inv);
+    }
+}
+
+/* In place on one head of D: x = x * cos + rotate_half(x) * sin (rope_f32's arithmetic). */
+static inline void qd_rope_head(float* x, const float* cos, const float* sin, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < half; d++) {
+        float a = x[d], b = x[d + half];
+        x[d] = a * cos[d] + -b * sin[d];
+        x[d + half] = b * cos[d + half] + a * sin[d + half];
+    }
+}
+
+void qdecode_forward_f32(const nxd_qdecode_args* a) {
+    const int64_t T = a->T, H = a->H, NH = a->NH, NKV = a->NKV, D = a->D, I = a->I;
+    const int64_t G = NH / NKV, QS = NH * D, KVS = NKV * D, NQKV = QS + 2 * KVS;
+    const int64_t kmax = H > QS ? (H > I ? H : I) : (QS > I ? QS : I);
+    const float scale = 1.f / sqrtf((float)D);
+    if (T <= 0) return;
+    int64_t maxctx = 1;
+    for (int64_t t = 0; t < T; t++) maxctx = a->pos[t] + 1 > maxctx ? a->pos[t] + 1 : maxctx;
+    float* x = a->x;
+    float* qkv = (float*)malloc(sizeof(float) * (size_t)(T * NQKV));
+    float* attn = (float*)malloc(sizeof(float) * (size_t)(T * QS));
+    float* act = (float*)malloc(sizeof(float) * (size_t)(T * I));
+    const int nt = a->nthreads < 1 ? 1 : a->nthreads;
+    _Pragma("omp parallel num_threads(nt)")
+    {
+        /* Per thread: its copy of the normed rows, their block sums (q4 offsets), attention scores, dot rows. */
+        float* h = (float*)malloc(sizeof(float) * (size_t)(T * H));
+        float* xsum = (float*)malloc(sizeof(float) * (size_t)(T * (kmax / QB)));
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxctx));
+        float* dot = (float*)malloc(sizeof(float) * (size_t)(2 * T));
+        for (int64_t l = 0; l < a->L; l++) {
+            const void* const* p = a->lw + l * QD_PTRS;
+            const int32_t* fmt = a->formats + 4 * l;
+            const qd_linear wqkv = qd_lin(p + QD_QKV, fmt[0], H), wo = qd_lin(p + QD_O, fmt[1], QS);
+            const qd_linear wgu = qd_lin(p + QD_GU, fmt[2], H), wdown = qd_lin(p + QD_DOWN, fmt[3], I);
+            float* kc = (float*)p[QD_K_CACHE];
+            float* vc = (float*)p[QD_V_CACHE];
+            const int64_t window = a->windows ? a->windows[l] : 0;
+
+            /* 1. input norm, q/k/v */
+            qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
+            if (wqkv.fmt == 0) q_block_sums(h, T, H, H / QB, xsum);
+            _Pragma("omp for schedule(dynamic, 16)")
+            for (int64_t n = 0; n < NQKV; n++) {
+                qd_row(&wqkv, n, h, H, xsum, T, dot);
+                for (int64_t t = 0; t < T; t++) qkv[t * NQKV + n] = dot[t];
+            }
+
+            /* 2. RoPE on q and k heads; K and V into the cache */
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int64_t it = 0; it < T * (NH + NKV); it++) {
+                const int64_t t = it / (NH + NKV), head = it % (NH + NKV);
+                float* row = qkv + t * NQKV;
+                qd_rope_head(row + head * D, a->cos + t * D, a->sin + t * D, D);
+                if (head >= NH) {
+                    const int64_t j = head - NH, off = a->slots[t] * a->c_ss + j * a->c_sh + a->pos[t] * D;
+                    memcpy(kc + off, row + QS + j * D, sizeof(float) * (size_t)D);
+                    memcpy(vc + off, row + QS + KVS + j * D, sizeof(float) * (size_t)D);
+                }
+            }
+
+            /* 3. attention of each (row, KV head) over its slot's context */
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int64_t it = 0; it < T * NKV; it++) {
+                const int64_t t = it / NKV, j = it % NKV, pos = a->pos[t];
+                const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+                const float* q = qkv + t * NQKV + j * G * D;
+                const float* kb = kc + a->slots[t] * a->c_ss + j * a->c_sh + lo * D;
+                const float* vb = vc + a->slots[t] * a->c_ss + j * a->c_sh + lo * D;
+                float* o = attn + t * QS + j * G * D;
+                if (D == 64) item_f32_64(q, D, kb, vb, pos + 1 - lo, G, D, scale, sc, o, 1.f);
+                else if (D == 128) item_f32_128(q, D, kb, vb, pos + 1 - lo, G, D, scale, sc, o, 1.f);
+                else item_f32_any(q, D, kb, vb, pos + 1 - lo, G, D, scale, sc, o, 1.f);
+            }
+
+            /* 4. o-proj and the residual */
+            if (wo.fmt == 0) q_block_sums(attn, T, QS, QS / QB, xsum);
+            _Pragma("omp for schedule(dynamic, 16)")
+            for (int64_t n = 0; n < H; n++) {
+                qd_row(&wo, n, attn, QS, xsum, T, dot);
+                for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
+            }
+
+            /* 5. post-attention norm, gate and up, SiLU(gate) * up */
+            qd_rmsnorm(x, (const float*)p[QD_POST_NORM], a->eps, h, T, H);
+            if (wgu.fmt == 0) q_block_sums(h, T, H, H / QB, xsum);
+            _Pragma("omp for schedule(dynamic, 16)")
+            for (int64_t n = 0; n < I; n++) {
+                qd_row(&wgu, n, h, H, xsum, T, dot);
+                qd_row(&wgu, I + n, h, H, xsum, T, dot + T);
+                for (int64_t t = 0; t < T; t++) {
+                    const float g = dot[t];
+                    act[t * I + n] = g / (1.f + expf(-g)) * dot[T + t];
+                }
+            }
+
+            /* 6. down-proj and the residual */
+            if (wdown.fmt == 0) q_block_sums(act, T, I, I / QB, xsum);
+            _Pragma("omp for schedule(dynamic, 16)")
+            for (int64_t n = 0; n < H; n++) {
+                qd_row(&wdown, n, act, I, xsum, T, dot);
+                for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
+            }
+        }
+        if (a->final_norm) {
+            _Pragma("omp for schedule(static)")
+            for (int64_t t = 0; t < T; t++) qd_rmsnorm(x + t * H, a->final_norm, a->eps, x + t * H, 1, H);
+        }
+        free(h);
+        free(xsum);
+        free(sc);
+        free(dot);
+    }
+    free(qkv);
+    free(attn);
+    free(act);
+}

@@ -1,0 +1,199 @@
+"""fp32 forward of a quantized decoder stack through one C call (``csrc/qdecode.c``) for a few rows.
+
+A model served from its 4/8-bit codes (``quant.QuantLinear``: GGUF blocks, ``--quantization``, compressed-tensors)
+runs a small step's linears in ``csrc/qgemm.c``; layer by layer that is ~4 ctypes calls and OpenMP team wake-ups
+per layer with Python's norms, RoPE, attention and SiLU in between. ``FusedQuantDecode`` runs all layers in one
+parallel region instead, the same arithmetic (fp32 activations and KV cache, codes widened in registers).
+
+``accepts`` decides per forward; everything else takes the layer path: more tokens than ``quant.dense_rows`` (the
+step the QuantLinears would run on their dense copies), a bf16 model or an fp8 KV cache, draft alternatives, a LoRA
+adapter row, q/k norms, activations other than SiLU, any linear that is not a kernel-format QuantLinear (mixed
+dense/quantized stacks, q8_0 groups that are not multiples of 32, padded K), autograd, no C kernels
+(``--cpu-isa none``). ``CpuOptions.fused_quant_decode`` turns it off (A/B measurements).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from nxdserve.engine.models import cpu_kernels, quant
+from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
+from nxdserve.engine.models.quant import QuantLinear
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from nxdserve.engine.models.llama import DecoderLayer, RMSNorm
+    from nxdserve.engine.models.rope import RotaryTables
+    from nxdserve.engine.models.spec import ModelSpec
+
+enabled = True  # set from CpuOptions.fused_quant_decode (cpu_setup.apply)
+# The most rows with quant.dense_rows at 0 (QuantLinears on the kernel at every size): the forward keeps T rows'
+# scratch per thread and its GEMV tiles are sized for decode.
+MAX_ROWS_UNBOUNDED = 16
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def max_rows() -> int:
+    return quant.dense_rows or MAX_ROWS_UNBOUNDED
+
+
+class _LayerTable:
+    """The C pointer table of a stack against one KV cache, and what it keeps alive."""
+
+    def __init__(self, key: tuple[int, ...], pointers: list[int | None], formats: list[int], windows: list[int]):
+        self.key = key
+        self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        self.formats = (ctypes.c_int32 * len(formats))(*formats)
+        self.windows = (ctypes.c_int64 * len(windows))(*windows)
+
+
+class FusedQuantDecode:
+    """The fused quantized forward bound to a model's decoder layers and final norm."""
+
+    def __init__(self, spec: ModelSpec, layers: Sequence[DecoderLayer], rope: RotaryTables, final_norm: RMSNorm):
+        self.spec = spec
+        self.layers = layers
+        self.rope = rope
+        self.final_norm = final_norm
+        self.eps = final_norm.eps  # Llama-family configs have one rms_norm_eps for every norm
+        self.supported_model = (
+            not spec.qk_norm
+            and spec.hidden_act in ("silu", "swish")
+            and spec.head_dim % 2 == 0  # RoPE rotates halves
+            and spec.head_dim <= cpu_kernels.MAX_HEAD_DIM
+            and spec.num_heads // spec.num_kv_heads <= cpu_kernels.MAX_GROUP
+        )
+        self._table: _LayerTable | None = None
+        self._weights_key: tuple[int, ...] | None = None
+        self._weights_ok = False
+
+    def _linears(self, layer: DecoderLayer) -> tuple[object, ...]:
+        return (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+
+    def _stack_key(self) -> tuple[int, ...]:
+        # The objects in place: quantize_linears swaps them, and a QuantLinear's codes never change in place.
+        return tuple(id(w) for layer in self.layers for w in self._linears(layer)) + tuple(
+            id(p) for layer in self.layers for p in (layer.input_norm.weight, layer.post_norm.weight)
+        )
+
+    def _weights_supported(self) -> bool:
+        """Every linear a QuantLinear in a kernel format with K a multiple of 32 (no padding), norms fp32."""
+        key = self._stack_key()
+        if key != self._weights_key:
+            self._weights_key, self._weights_ok = key, all(self._layer_supported(layer) for layer in self.layers)
+        return self._weights_ok
+
+    def _layer_supported(self, layer: DecoderLayer) -> bool:
+        from nxdserve.engine.models.llama import RMSNorm
+
+        if type(layer.input_norm) is not RMSNorm or type(layer.post_norm) is not RMSNorm:
+            return False
+        if layer.input_norm.weight.dtype != torch.float32 or layer.post_norm.weight.dtype != torch.float32:
+            return False
+        s = self.spec
+        shapes = (
+            (s.q_size + 2 * s.kv_size, s.hidden_size),
+            (s.hidden_size, s.q_size),
+            (2 * s.intermediate_size, s.hidden_size),
+            (s.hidden_size, s.intermediate_size),
+        )
+        biases = (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias)
+        for weight, bias, shape in zip(self._linears(layer), biases, shapes, strict=True):
+            if not isinstance(weight, QuantLinear) or weight.data.device.type != "cpu" or tuple(weight.shape) != shape:
+                return False
+            kernel = weight._kernel_args()
+            if kernel is None or kernel.in_features != weight.in_features:
+                return False
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+                return False
+        return True
+
+    def accepts(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> bool:
+        return (
+            enabled
+            and self.supported_model
+            and meta.alts is None
+            and 0 < meta.num_tokens <= max_rows()
+            and meta.lora is None
+            and meta.use_kernel
+            and kv_cache.data.dtype == torch.float32  # fp32 model, no fp8 cache
+            and kv_cache.data.device.type == "cpu"
+            # The C code trusts its indices: rows outside this cache take the checked torch path.
+            and meta.max_slot < kv_cache.num_slots
+            and meta.max_end <= kv_cache.max_len
+            and self.final_norm.weight.dtype == torch.float32
+            and not torch.is_grad_enabled()
+            and cpu_kernels.available()
+            and self._weights_supported()
+        )
+
+    def _layer_table(self, kv_cache: SlotKVCache) -> _LayerTable:
+        key = (kv_cache.data.data_ptr(), *self._stack_key())
+        if self._table is None or self._table.key != key:
+            pointers: list[int | None] = []
+            formats: list[int] = []
+            windows: list[int] = []
+
+            def ptr(t: torch.Tensor | None) -> int | None:
+                return None if t is None else t.data_ptr()
+
+            for i, layer in enumerate(self.layers):
+                biases = (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias)
+                parts: list[int | None] = [layer.input_norm.weight.data_ptr()]
+                for name, weight, bias in zip(_LINEARS, self._linears(layer), biases, strict=True):
+                    assert isinstance(weight, QuantLinear), name
+                    kernel = weight._kernel_args()
+                    codes, scale, offset = kernel.tensors
+                    parts += [ptr(codes), ptr(scale), ptr(offset), ptr(bias)]
+                    formats.append(int(kernel.args.format))
+                    if name == "o":
+                        parts.append(layer.post_norm.weight.data_ptr())
+                k_cache, v_cache = kv_cache.layer(i)
+                parts += [k_cache.data_ptr(), v_cache.data_ptr()]
+                assert len(parts) == cpu_kernels.QDECODE_LAYER_POINTERS
+                pointers += parts
+                windows.append(layer.window or 0)
+            self._table = _LayerTable(key, pointers, formats, windows)
+        return self._table
+
+    def run(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: SlotKVCache,
+        keep: torch.Tensor | None = None,
+        on_compute: Callable[[], None] | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x (T, hidden) fp32 input states, overwritten -> the final-normed output, rows ``keep`` only where given.
+        ``cos_sin``: each token's rotary rows instead of the table's at its position (M-RoPE)."""
+        s = self.spec
+        lib = cpu_kernels._library()
+        assert lib is not None
+        x = x.to(torch.float32).contiguous()
+        t = meta.num_tokens
+        assert x.shape == (t, s.hidden_size)
+        table = self._layer_table(kv_cache)
+        if cos_sin is None:
+            cos = self.rope.cos.index_select(0, meta.positions)
+            sin = self.rope.sin.index_select(0, meta.positions)
+        else:
+            cos, sin = (c.reshape(t, -1).to(torch.float32).contiguous() for c in cos_sin)
+        positions = meta.positions.contiguous()
+        slots = meta.write_slots.contiguous()
+        k_cache, _ = kv_cache.layer(0)
+        if on_compute is not None:
+            on_compute()
+        args = cpu_kernels.QdecodeArgs(
+            x.data_ptr(), t, ctypes.addressof(table.pointers), ctypes.addressof(table.formats),
+            ctypes.addressof(table.windows), len(self.layers), self.final_norm.weight.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), positions.data_ptr(),
+            s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
+            k_cache.stride(0), k_cache.stride(1), self.eps, torch.get_num_threads(),
+        )  # fmt: skip
+        lib.qdecode_forward_f32(ctypes.byref(args))
+        return x if keep is None else x[keep.to(torch.int64)]

@@ -1,0 +1,204 @@
+"""The fused quantized forward (``fused_qdecode``, ``csrc/qdecode.c``) against the layer-by-layer path: the same
+hidden states, logits and KV cache writes to fp32 rounding, on every runnable kernel path, and the same greedy
+text from the engine with the switch on and off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from nxdserve.cpu_options import CpuOptions
+from nxdserve.engine.models import cpu_kernels, fused_qdecode, quant
+from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
+from nxdserve.engine.models.llama import LlamaFamilyModel
+from tests.helpers.cpu_paths import forced_cpu_path
+from tests.helpers.tiny_model import single_torch_thread, tiny_model_path
+
+KERNEL_PATHS = [p for p in cpu_kernels.runnable_paths() if p != "none"]
+MAX_LEN = 48
+PROMPT_LENS = (9, 20, 14, 31)  # slot i's prompt
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    with forced_cpu_path(request.param) as isa:
+        yield isa
+
+
+def _model(family: str, method: str) -> LlamaFamilyModel:
+    model = LlamaFamilyModel.from_pretrained(tiny_model_path(family), torch.float32, torch.device("cpu"), MAX_LEN)
+    quant.quantize_model(model, method)
+    return model
+
+
+def _meta(model: LlamaFamilyModel, slots: list[int], starts: list[int], lens: list[int]) -> AttentionMetadata:
+    return AttentionMetadata.build(
+        np.array(slots), np.array(starts), np.array(lens),
+        num_query_groups=model.spec.num_heads // model.spec.num_kv_heads, windows=model.windows,
+        max_len=MAX_LEN, device=torch.device("cpu"), dtype=model.dtype,
+    )  # fmt: skip
+
+
+def _prefilled(model: LlamaFamilyModel, gen: torch.Generator) -> SlotKVCache:
+    """Four slots prefilled layer by layer (17+ tokens per forward: above quant.dense_rows, never fused)."""
+    cache = model.new_kv_cache(len(PROMPT_LENS), MAX_LEN)
+    for slot, n in enumerate(PROMPT_LENS):
+        prompt = torch.randint(0, model.vocab_size, (n,), generator=gen)
+        with torch.inference_mode():
+            model(prompt, _meta(model, [slot], [0], [n]), cache)
+    return cache
+
+
+# (slots, lens) of the steps compared, each row from its slot's prompt length: one decode row; four rows in
+# different slots at different positions (given out of slot order); a verify step (3 tokens of one slot, each
+# attending to the ones before it) next to a decode row; a short prefill chunk.
+STEPS = {
+    "one-row": ([2], [1]),
+    "four-slots": ([3, 0, 2, 1], [1, 1, 1, 1]),
+    "verify": ([1, 0], [3, 1]),
+    # a 12-token prompt chunk (the layer path attends it through SDPA with a causal mask) next to a decode row
+    "chunk": ([3, 0], [12, 1]),
+}
+
+
+def _run_step(
+    model: LlamaFamilyModel, fused: bool, step: str, threads: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefilled cache, then one step, fused or layer by layer: (hidden, logits, the whole KV cache)."""
+    gen = torch.Generator().manual_seed(11)
+    slots, lens = STEPS[step]
+    starts = [PROMPT_LENS[s] for s in slots]
+    tokens = torch.randint(0, model.vocab_size, (sum(lens),), generator=gen)
+    saved = fused_qdecode.enabled
+    with single_torch_thread():
+        fused_qdecode.enabled = False
+        cache = _prefilled(model, torch.Generator().manual_seed(5))
+        fused_qdecode.enabled = fused
+        torch.set_num_threads(threads)
+        try:
+            meta = _meta(model, slots, starts, lens)
+            with torch.inference_mode():
+                assert model.fused_quant_decode.accepts(tokens, meta, cache) == fused
+                hidden = model(tokens, meta, cache)
+                logits = model.compute_logits(hidden)
+        finally:
+            fused_qdecode.enabled = saved
+            torch.set_num_threads(1)
+    return hidden, logits, cache.data.clone()
+
+
+def _assert_same(got: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> None:
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=float(r.abs().max()) * 2e-5)
+
+
+@pytest.mark.parametrize("method", ["int4-g32", "int8", "fp8"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_fused_step_equals_the_layer_path(kernel_path: str, method: str, step: str) -> None:
+    """llama: 4 query heads on 2 KV heads (GQA), head size 16."""
+    model = _model("llama", method)
+    fused = _run_step(model, True, step)
+    layered = _run_step(model, False, step)
+    _assert_same(fused, layered)
+    slots, lens = STEPS[step]
+    for slot, n in zip(slots, lens, strict=True):  # the step's K/V were written (not left as the prefill's zeros)
+        assert fused[2][:, :, slot, :, PROMPT_LENS[slot] + n - 1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("step", ["four-slots", "verify"])
+def test_fused_step_on_three_threads_equals_the_layer_path(kernel_path: str, step: str) -> None:
+    """Rows, heads and (row, KV head) items shared out over a team: each row is still computed whole by one
+    thread, so the split does not change the results (three threads: shares that do not divide evenly)."""
+    model = _model("llama", "int4-g32")
+    _assert_same(_run_step(model, True, step, threads=3), _run_step(model, False, step))
+
+
+@pytest.mark.parametrize("family", ["llama-linear-bias", "mistral-window", "qwen2", "llama-llama3-untied", "qwen3"])
+def test_fused_step_covers_biases_windows_and_head_shapes(family: str) -> None:
+    """qkv/o/MLP biases, sliding windows on every layer and on some, one KV head, head size 32; qwen3's q/k norms
+    are not fused and take the layer path."""
+    model = _model(family, "int4-g32")
+    if family == "qwen3":
+        cache = model.new_kv_cache(4, MAX_LEN)
+        meta = _meta(model, [0], [0], [1])
+        assert not model.fused_quant_decode.accepts(torch.tensor([1]), meta, cache)
+        return
+    for step in ("four-slots", "verify"):
+        _assert_same(_run_step(model, True, step), _run_step(model, False, step))
+
+
+def test_accepts_falls_back_where_it_does_not_apply() -> None:
+    model = _model("llama", "int4-g32")
+    cache = model.new_kv_cache(4, MAX_LEN)
+    fused = model.fused_quant_decode
+    with torch.inference_mode():
+        assert fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
+        rows = quant.dense_rows
+        assert fused.accepts(torch.zeros(rows, dtype=torch.long), _meta(model, [0], [0], [rows]), cache)
+        # more rows than the quantized linears run on their codes: a prefill chunk keeps the layer path
+        assert not fused.accepts(torch.zeros(rows + 1, dtype=torch.long), _meta(model, [0], [0], [rows + 1]), cache)
+        # a slot outside this cache
+        assert not fused.accepts(torch.tensor([1]), _meta(model, [5], [3], [1]), cache)
+        # an fp8 KV cache
+        fp8_cache = model.new_kv_cache(4, MAX_LEN, storage=torch.float8_e4m3fn)
+        assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), fp8_cache)
+        # a dense layer among the quantized ones
+        layer = model.layers[1]
+        saved = layer.o_weight
+        del layer.o_weight
+        layer.o_weight = torch.nn.Parameter(saved.dequantize(), requires_grad=False)
+        assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
+        del layer._parameters["o_weight"]
+        layer.o_weight = saved
+        assert fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
+    with forced_cpu_path("none"):
+        assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
+    with forced_cpu_path(KERNEL_PATHS[0], fused_quant_decode=False):
+        assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
+    dense = LlamaFamilyModel.from_pretrained(tiny_model_path("llama"), torch.float32, torch.device("cpu"), MAX_LEN)
+    assert not dense.fused_quant_decode.accepts(torch.tensor([1]), _meta(dense, [0], [3], [1]), cache)
+
+
+def test_switch_flag_reaches_the_cpu_options() -> None:
+    from nxdserve.cli import build_parser, engine_config_from_args
+
+    assert CpuOptions().fused_quant_decode
+    args = build_parser().parse_args(["--no-cpu-fused-quant-decode"])
+    assert not engine_config_from_args(args).cpu.fused_quant_decode
+
+
+def _count_runs(fused: fused_qdecode.FusedQuantDecode) -> list[int]:
+    """Record each fused forward (one entry per call) on this instance."""
+    runs: list[int] = []
+    real_run = fused.run
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        runs.append(1)
+        return real_run(*args, **kwargs)
+
+    fused.run = run  # type: ignore[method-assign]
+    return runs
+
+
+def test_default_model_greedy_text_is_the_same_with_the_switch_on_and_off() -> None:
+    """The default model served from its Q4_1 blocks: batched greedy decode (several slots, each step fused)."""
+    from nxdserve.sampling_params import SamplingParams
+    from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
+
+    outputs, fused_steps = [], []
+    for on in (True, False):
+        core = make_core(dtype="auto", max_model_len=128, max_num_seqs=4, cpu=CpuOptions(fused_quant_decode=on))
+        model = core.backend.model  # type: ignore[attr-defined]
+        assert isinstance(model.layers[0].gate_up_weight, quant.QuantLinear)  # served from the file's blocks
+        runs = _count_runs(model.fused_quant_decode)
+        prompts = tokenize(core, PROMPTS[:4])
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outputs.append([list(o.outputs[0].token_ids) for o in run_to_completion(core, prompts, params)])
+        fused_steps.append(len(runs))
+    assert fused_steps[0] >= 11 and fused_steps[1] == 0
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[0])
