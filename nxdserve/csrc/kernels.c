@@ -33,9 +33,9 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
 #include "decode.c"
 #include "greedy_head.c"
 #include "qgemm.c"
-#include "qdecode.c"
-#include "lora.c"
 #include "qgemm_i8.c"
+#include "qdecode.c" /* after both GEMMs: it calls their row kernels */
+#include "lora.c"
 
 #define NXD_FIELD(T, F) {#T, #F, (int64_t)offsetof(T, F), (int64_t)sizeof(((T*)0)->F)}
 #define NXD_SIZE(T) {#T, NULL, 0, (int64_t)sizeof(T)}
@@ -98,6 +98,7 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_qdecode_args, NH), NXD_FIELD(nxd_qdecode_args, NKV), NXD_FIELD(nxd_qdecode_args, D),
     NXD_FIELD(nxd_qdecode_args, I), NXD_FIELD(nxd_qdecode_args, c_ss), NXD_FIELD(nxd_qdecode_args, c_sh),
     NXD_FIELD(nxd_qdecode_args, eps), NXD_FIELD(nxd_qdecode_args, nthreads),
+    NXD_FIELD(nxd_qdecode_args, int8_activations),
 
     NXD_SIZE(nxd_lora_args),
     NXD_FIELD(nxd_lora_args, x), NXD_FIELD(nxd_lora_args, M), NXD_FIELD(nxd_lora_args, K),

@@ -177,7 +177,8 @@ void qgemm_f32(const nxd_qgemm_args* a);
    layer (fp32, line of slot s, KV head h, position p at cache + s*c_ss + h*c_sh + p*D). Offsets (q4 only) and
    biases NULL when absent. formats: 4 per layer (qkv, o, gate_up, down), qgemm's format numbers; every K a multiple
    of 32. cos/sin (T, D): each row's rotary table row. windows (L) or NULL: sliding windows (0: none). Row t writes
-   its K/V at (slots[t], pos[t]) and attends to its slot's keys up to pos[t]. */
+   its K/V at (slots[t], pos[t]) and attends to its slot's keys up to pos[t]. int8_activations: the 4-bit and int8
+   linears take their inputs rounded to int8 per 32 columns and integer dot products (qgemm_i8.c). */
 #define QDECODE_LAYER_POINTERS 20
 typedef struct nxd_qdecode_args {
     float* x;
@@ -194,6 +195,7 @@ typedef struct nxd_qdecode_args {
     int64_t H, NH, NKV, D, I, c_ss, c_sh;
     float eps;
     int32_t nthreads;
+    int32_t int8_activations;
 } nxd_qdecode_args;
 
 void qdecode_forward_f32(const nxd_qdecode_args* a);

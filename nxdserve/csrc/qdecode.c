@@ -44,10 +44,40 @@ static inline qd_linear qd_lin(const void* const* p, int32_t fmt, int64_t K) {
     return l;
 }
 
-/* dot[t] = weight row n . x[t] (+ bias[n]) for the T rows of x (row stride xs). */
-static inline void qd_row(const qd_linear* l, int64_t n, const float* x, int64_t xs, const float* xsum, int64_t T,
-                          float* dot) {
-    q_weight_row(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n, x, xs, xsum, T, dot);
+/* One linear's input as the row kernels read it, made by each thread for itself (T rows are tiny: no barrier):
+   the rows and, for q4, their block sums; or, with int8 activations (4-bit and int8 codes), the rows rounded to
+   int8 per block with their scales and scaled sums (qgemm_i8.c). */
+typedef struct qd_input {
+    const float* x;
+    int64_t xs;
+    float* xsum;
+    int8_t* xq;
+    float* xd;
+    float* xds;
+    int i8;
+} qd_input;
+
+static inline void qd_prepare(qd_input* in, const qd_linear* l, int int8_activations, const float* x, int64_t xs,
+                              int64_t T) {
+    in->x = x;
+    in->xs = xs;
+    in->i8 = int8_activations && (l->fmt == 0 || l->fmt == 1);
+    if (in->i8) qi8_quantize_rows(x, T, xs, l->nb * QB, in->xq, in->xd, in->xds);
+    else if (l->fmt == 0) q_block_sums(x, T, xs, l->nb, in->xsum);
+}
+
+/* dot[t] = weight row n . x[t] (+ bias[n]) for the T rows of the prepared input. */
+static inline void qd_row(const qd_linear* l, int64_t n, const qd_input* in, int64_t T, float* dot) {
+    if (in->i8) {
+        const int64_t K = l->nb * QB;
+        for (int64_t t0 = 0; t0 < T; t0 += QI8_T) {
+            const int mt = (int)(T - t0 < QI8_T ? T - t0 : QI8_T);
+            qi8_rows(l->fmt, l->w + n * l->row_bytes, l->scale + n * l->nb, l->fmt == 0 ? l->offset + n * l->nb : NULL,
+                     in->xq + t0 * K, in->xd + t0 * l->nb, in->xds + t0 * l->nb, l->nb, mt, dot + t0);
+        }
+    } else {
+        q_weight_row(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n, in->x, in->xs, in->xsum, T, dot);
+    }
     if (l->bias)
         for (int64_t t = 0; t < T; t++) dot[t] += l->bias[n];
 }
@@ -92,6 +122,9 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
         /* Per thread: its copy of the normed rows, their block sums (q4 offsets), attention scores, dot rows. */
         float* h = (float*)malloc(sizeof(float) * (size_t)(T * H));
         float* xsum = (float*)malloc(sizeof(float) * (size_t)(T * (kmax / QB)));
+        int8_t* xq = a->int8_activations ? (int8_t*)malloc((size_t)(T * kmax)) : NULL;
+        float* xd = a->int8_activations ? (float*)malloc(sizeof(float) * (size_t)(2 * T * (kmax / QB))) : NULL;
+        qd_input in = {NULL, 0, xsum, xq, xd, xd ? xd + T * (kmax / QB) : NULL, 0};
         float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxctx));
         float* dot = (float*)malloc(sizeof(float) * (size_t)(2 * T));
         for (int64_t l = 0; l < a->L; l++) {
@@ -105,10 +138,10 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 1. input norm, q/k/v */
             qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
-            if (wqkv.fmt == 0) q_block_sums(h, T, H, H / QB, xsum);
+            qd_prepare(&in, &wqkv, a->int8_activations, h, H, T);
             _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < NQKV; n++) {
-                qd_row(&wqkv, n, h, H, xsum, T, dot);
+                qd_row(&wqkv, n, &in, T, dot);
                 for (int64_t t = 0; t < T; t++) qkv[t * NQKV + n] = dot[t];
             }
 
@@ -140,20 +173,20 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             }
 
             /* 4. o-proj and the residual */
-            if (wo.fmt == 0) q_block_sums(attn, T, QS, QS / QB, xsum);
+            qd_prepare(&in, &wo, a->int8_activations, attn, QS, T);
             _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < H; n++) {
-                qd_row(&wo, n, attn, QS, xsum, T, dot);
+                qd_row(&wo, n, &in, T, dot);
                 for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
             }
 
             /* 5. post-attention norm, gate and up, SiLU(gate) * up */
             qd_rmsnorm(x, (const float*)p[QD_POST_NORM], a->eps, h, T, H);
-            if (wgu.fmt == 0) q_block_sums(h, T, H, H / QB, xsum);
+            qd_prepare(&in, &wgu, a->int8_activations, h, H, T);
             _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < I; n++) {
-                qd_row(&wgu, n, h, H, xsum, T, dot);
-                qd_row(&wgu, I + n, h, H, xsum, T, dot + T);
+                qd_row(&wgu, n, &in, T, dot);
+                qd_row(&wgu, I + n, &in, T, dot + T);
                 for (int64_t t = 0; t < T; t++) {
                     const float g = dot[t];
                     act[t * I + n] = g / (1.f + expf(-g)) * dot[T + t];
@@ -161,10 +194,10 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             }
 
             /* 6. down-proj and the residual */
-            if (wdown.fmt == 0) q_block_sums(act, T, I, I / QB, xsum);
+            qd_prepare(&in, &wdown, a->int8_activations, act, I, T);
             _Pragma("omp for schedule(dynamic, 16)")
             for (int64_t n = 0; n < H; n++) {
-                qd_row(&wdown, n, act, I, xsum, T, dot);
+                qd_row(&wdown, n, &in, T, dot);
                 for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
             }
         }
@@ -174,6 +207,8 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
         }
         free(h);
         free(xsum);
+        free(xq);
+        free(xd);
         free(sc);
         free(dot);
     }

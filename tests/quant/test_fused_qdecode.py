@@ -109,6 +109,23 @@ def test_fused_step_equals_the_layer_path(kernel_path: str, method: str, step: s
         assert fused[2][:, :, slot, :, PROMPT_LENS[slot] + n - 1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("method", ["int4-g32", "int8"])
+def test_int8_activations_reach_the_fused_step(kernel_path: str, method: str) -> None:
+    """``--cpu-quant-int8-activations`` rounds the fused forward's linear inputs as the layer path's kernel calls
+    do (qgemm_i8.c's row kernels): the two paths agree, and both differ from the exact fp32 step."""
+    model = _model("llama", method)
+    exact = _run_step(model, True, "four-slots")
+    quant.int8_activations = True
+    try:
+        fused = _run_step(model, True, "four-slots")
+        layered = _run_step(model, False, "four-slots")
+    finally:
+        quant.int8_activations = False
+    _assert_same(fused, layered)
+    assert not torch.equal(fused[1], exact[1])
+    torch.testing.assert_close(fused[1], exact[1], rtol=0.05, atol=float(exact[1].abs().max()) * 0.05)
+
+
 @pytest.mark.parametrize("step", ["four-slots", "verify"])
 def test_fused_step_on_three_threads_equals_the_layer_path(kernel_path: str, step: str) -> None:
     """Rows, heads and (row, KV head) items shared out over a team: each row is still computed whole by one

@@ -193,7 +193,7 @@ class FusedQuantDecode:
             ctypes.addressof(table.windows), len(self.layers), self.final_norm.weight.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), positions.data_ptr(),
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
-            k_cache.stride(0), k_cache.stride(1), self.eps, torch.get_num_threads(),
+            k_cache.stride(0), k_cache.stride(1), self.eps, torch.get_num_threads(), int(quant.int8_activations),
         )  # fmt: skip
         lib.qdecode_forward_f32(ctypes.byref(args))
         return x if keep is None else x[keep.to(torch.int64)]
