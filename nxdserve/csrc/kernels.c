@@ -34,6 +34,7 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
 #include "greedy_head.c"
 #include "qgemm.c"
 #include "lora.c"
+#include "qsearch.c"
 
 #define NXD_FIELD(T, F) {#T, #F, (int64_t)offsetof(T, F), (int64_t)sizeof(((T*)0)->F)}
 #define NXD_SIZE(T) {#T, NULL, 0, (int64_t)sizeof(T)}
@@ -95,6 +96,12 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_lora_args, starts), NXD_FIELD(nxd_lora_args, S), NXD_FIELD(nxd_lora_args, rmax),
     NXD_FIELD(nxd_lora_args, N),
     NXD_FIELD(nxd_lora_args, out), NXD_FIELD(nxd_lora_args, os), NXD_FIELD(nxd_lora_args, nthreads),
+
+    NXD_SIZE(nxd_qsearch_args),
+    NXD_FIELD(nxd_qsearch_args, w), NXD_FIELD(nxd_qsearch_args, N), NXD_FIELD(nxd_qsearch_args, K),
+    NXD_FIELD(nxd_qsearch_args, group), NXD_FIELD(nxd_qsearch_args, cand), NXD_FIELD(nxd_qsearch_args, ncand),
+    NXD_FIELD(nxd_qsearch_args, scale), NXD_FIELD(nxd_qsearch_args, offset), NXD_FIELD(nxd_qsearch_args, kind),
+    NXD_FIELD(nxd_qsearch_args, nthreads),
 };
 
 const nxd_field_layout* nxd_struct_layouts(int64_t* count) {

@@ -194,6 +194,22 @@ typedef struct nxd_lora_args {
 void lora_add_bf16(const nxd_lora_args* a);
 void lora_add_f32(const nxd_lora_args* a);
 
+/* ---- qsearch.c: the quantizers' scale searches at load (quant.py) ------------------------------------------ */
+/* w (N, K) fp32 contiguous, K a multiple of group; scale (and offset for int4) (N, K / group) written. kind 0 = int4
+   (group <= 128; cand: the candidate steps' 15 + d), 1 = fp8 e4m3 (cand: the multipliers of absmax / 448). */
+typedef struct nxd_qsearch_args {
+    const float* w;
+    int64_t N, K, group;
+    const float* cand;
+    int64_t ncand;
+    float* scale;
+    float* offset;
+    int32_t kind;
+    int32_t nthreads;
+} nxd_qsearch_args;
+
+void quant_search_f32(const nxd_qsearch_args* a);
+
 /* ---- kernels.c: the layout check ---------------------------------------------------------------------------- */
 /* One entry per field of every struct above (field = its name), plus one per struct with field NULL and size
    = sizeof(struct). */

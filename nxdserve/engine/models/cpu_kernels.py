@@ -719,3 +719,42 @@ def lora_add(args: LoraArgs, out: torch.Tensor, x: torch.Tensor, idx: torch.Tens
     args.idx, args.out, args.os = idx.data_ptr(), out.data_ptr(), out.stride(0)
     args.nthreads = torch.get_num_threads()
     (lib.lora_add_bf16 if x.dtype == torch.bfloat16 else lib.lora_add_f32)(ctypes.byref(args))
+
+
+# -- the quantizers' scale searches at load (csrc/qsearch.c) ------------------------------------------------------
+
+
+class QsearchArgs(ctypes.Structure):
+    _fields_ = [
+        *_fields("w", _p), *_fields("N K group", _i64), *_fields("cand", _p), *_fields("ncand", _i64),
+        *_fields("scale offset", _p), ("kind", _i32), ("nthreads", _i32),
+    ]  # fmt: skip
+
+
+STRUCTS["nxd_qsearch_args"] = QsearchArgs
+QSEARCH_KINDS = {"int4": 0, "fp8": 1}
+
+
+def quant_search(
+    weight: torch.Tensor, group: int, candidates: Sequence[float], kind: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``quant.py``'s scale search per group of ``group`` columns of ``weight`` (N, K) fp32, K a multiple of
+    ``group``: int4 (group <= 128; ``candidates`` the steps' 15 + d) -> (scale, offset), fp8 (``candidates`` the
+    multipliers of absmax / 448) -> (scale, None); each (N, K / group) fp32. Callers check ``available()``."""
+    lib = _library()
+    assert lib is not None
+    n, k = weight.shape
+    if k % group or weight.dtype != torch.float32 or (kind == "int4" and group > 128):
+        raise ValueError(f"quant_search: fp32 weight with K ({k}) a multiple of group ({group}), int4 groups <= 128")
+    w = weight.contiguous()
+    cand = torch.tensor(list(candidates), dtype=torch.float32)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    offset = torch.empty_like(scale) if kind == "int4" else None
+    args = QsearchArgs(
+        w.data_ptr(), n, k, group, cand.data_ptr(), cand.numel(), scale.data_ptr(),
+        None if offset is None else offset.data_ptr(), QSEARCH_KINDS[kind], torch.get_num_threads(),
+    )  # fmt: skip
+    fn = lib.quant_search_f32
+    fn.argtypes, fn.restype = [ctypes.POINTER(QsearchArgs)], None
+    fn(ctypes.byref(args))
+    return scale, offset

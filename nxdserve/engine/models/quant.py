@@ -218,6 +218,7 @@ FP8_BLOCK = 32  # fp8 scales: one per this many input columns of a row
 # Candidate scales per fp8 block: absmax / 448 times 2**(j / 16), j < 16. e4m3's grid is log-spaced (3 mantissa
 # bits), so one octave of scales covers every placement of a block's values on it; the largest value never clips.
 FP8_SCALE_STEPS = 16
+FP8_SCALE_MULTIPLIERS = tuple(2.0 ** (step / FP8_SCALE_STEPS) for step in range(FP8_SCALE_STEPS))
 # Candidate 4-bit steps per group: (max - min) / (15 + d), d in this grid (llama.cpp's make_qkx2_quants searches
 # the same span); each candidate's codes then get the least-squares scale and offset.
 INT4_STEP_DELTAS = tuple(d / 5 for d in range(-5, 6))
@@ -237,19 +238,31 @@ def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK, search: bool = Tr
     n, k = w.shape
     group = block if block and k % block == 0 else k
     blocks = w.view(n, k // group, group)
-    base = (blocks.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-    best_err = torch.full_like(base, float("inf"))
-    best_scale = base
-    for step in range(FP8_SCALE_STEPS if search else 1):
-        scale = base * 2.0 ** (step / FP8_SCALE_STEPS)
-        err = ((blocks / scale).to(torch.float8_e4m3fn).float() * scale - blocks).square_().sum(dim=2, keepdim=True)
-        better = err < best_err
-        best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    if search and _kernels_on():
+        from nxdserve.engine.models.cpu_kernels import quant_search
+
+        best_scale = quant_search(w, group, FP8_SCALE_MULTIPLIERS, "fp8")[0].unsqueeze(2)
+    else:
+        best_scale = _fp8_search(blocks, FP8_SCALE_STEPS if search else 1)
     codes = (blocks / best_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, k)
     scales = best_scale.view(n, k // group)
     if group == k:
         return QuantLinear("fp8", n, k, codes.contiguous(), scales.view(n).contiguous())
     return QuantLinear("fp8", n, k, codes.contiguous(), scales.contiguous(), group=group)
+
+
+def _fp8_search(blocks: torch.Tensor, steps: int) -> torch.Tensor:
+    """The least-squared-error scale per block of ``blocks`` (rows, blocks, size) among the first ``steps`` of
+    ``FP8_SCALE_MULTIPLIERS`` times absmax / 448 (torch; ``csrc/qsearch.c`` makes the same choice in C)."""
+    base = (blocks.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    best_err = torch.full_like(base, float("inf"))
+    best_scale = base
+    for multiplier in FP8_SCALE_MULTIPLIERS[:steps]:
+        scale = base * multiplier
+        err = ((blocks / scale).to(torch.float8_e4m3fn).float() * scale - blocks).square_().sum(dim=2, keepdim=True)
+        better = err < best_err
+        best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    return best_scale
 
 
 def quantize_int4(weight: torch.Tensor, group: int = 64, search: bool = True) -> QuantLinear:
@@ -267,7 +280,13 @@ def quantize_int4(weight: torch.Tensor, group: int = 64, search: bool = True) ->
     lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
     span = (hi - lo).clamp_min(1e-12)
     scale, offset = span / 15.0, lo
-    if search:
+    if search and _kernels_on():
+        from nxdserve.engine.models.cpu_kernels import quant_search
+
+        c_scale, c_offset = quant_search(g.view(n, padded), group, [15 + d for d in INT4_STEP_DELTAS], "int4")
+        assert c_offset is not None
+        scale, offset = c_scale.unsqueeze(2), c_offset.unsqueeze(2)
+    elif search:
         scale, offset = _int4_search(g, lo, span)
     q = torch.round((g - offset) / scale).clamp_(0, 15).to(torch.int32).view(n, padded)
     return int4_from_codes(q, scale.squeeze(2), offset.squeeze(2), group, k)
