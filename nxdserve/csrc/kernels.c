@@ -102,6 +102,12 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_qsearch_args, group), NXD_FIELD(nxd_qsearch_args, cand), NXD_FIELD(nxd_qsearch_args, ncand),
     NXD_FIELD(nxd_qsearch_args, scale), NXD_FIELD(nxd_qsearch_args, offset), NXD_FIELD(nxd_qsearch_args, kind),
     NXD_FIELD(nxd_qsearch_args, nthreads),
+
+    NXD_SIZE(nxd_gptq_args),
+    NXD_FIELD(nxd_gptq_args, w), NXD_FIELD(nxd_gptq_args, N), NXD_FIELD(nxd_gptq_args, K),
+    NXD_FIELD(nxd_gptq_args, group), NXD_FIELD(nxd_gptq_args, u), NXD_FIELD(nxd_gptq_args, cand),
+    NXD_FIELD(nxd_gptq_args, ncand), NXD_FIELD(nxd_gptq_args, codes), NXD_FIELD(nxd_gptq_args, scale),
+    NXD_FIELD(nxd_gptq_args, offset), NXD_FIELD(nxd_gptq_args, nthreads),
 };
 
 const nxd_field_layout* nxd_struct_layouts(int64_t* count) {

@@ -210,6 +210,23 @@ typedef struct nxd_qsearch_args {
 
 void quant_search_f32(const nxd_qsearch_args* a);
 
+/* GPTQ's column loop (gptq.py): w (N, K) fp32 contiguous, updated in place, K a multiple of group (<= 128); u (K, K)
+   the upper Cholesky factor of the damped H^-1; cand as int4's above. Writes codes (N, K) 0..15, scale and offset
+   (N, K / group). */
+typedef struct nxd_gptq_args {
+    float* w;
+    int64_t N, K, group;
+    const float* u;
+    const float* cand;
+    int64_t ncand;
+    uint8_t* codes;
+    float* scale;
+    float* offset;
+    int32_t nthreads;
+} nxd_gptq_args;
+
+void gptq_int4_f32(const nxd_gptq_args* a);
+
 /* ---- kernels.c: the layout check ---------------------------------------------------------------------------- */
 /* One entry per field of every struct above (field = its name), plus one per struct with field NULL and size
    = sizeof(struct). */

@@ -144,4 +144,47 @@ void quant_search_f32(const nxd_qsearch_args* a) {
     }
 }
 
+/* GPTQ's column loop (gptq.py, which says the method) for one tile of rows: w (rows, K) updated in place as the
+   columns are quantized in order; u the upper Cholesky factor of H^-1 (K, K); per group the grid searched on the
+   row's updated values when its first column comes up. Each row is independent given u, so rows are split over
+   threads and, within a thread, taken QS_GPTQ_TILE at a time so each row of u is read once per tile. */
+#define QS_GPTQ_TILE 8
+
+static void qs_gptq_tile(float* w, int64_t rows, int64_t K, int64_t G, const float* u, const float* cand,
+                         int64_t ncand, uint8_t* codes, float* scale, float* offset) {
+    const int64_t ng = K / G;
+    float q[QS_INT4_MAX_GROUP], s[QS_GPTQ_TILE], m[QS_GPTQ_TILE], err[QS_GPTQ_TILE];
+    for (int64_t i = 0; i < K; i++) {
+        const float* ui = u + i * K;
+        for (int64_t r = 0; r < rows; r++) {
+            float* wr = w + r * K;
+            if (i % G == 0) {
+                qs_int4_generic(wr + i, G, cand, ncand, q, &s[r], &m[r]);
+                scale[r * ng + i / G] = s[r];
+                offset[r * ng + i / G] = m[r];
+            }
+            const float c = qs_code4((wr[i] - m[r]) / s[r]);
+            codes[r * K + i] = (uint8_t)c;
+            err[r] = (wr[i] - (c * s[r] + m[r])) / ui[i];
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            float* wr = w + r * K;
+            const float e = err[r];
+            for (int64_t j = i + 1; j < K; j++) wr[j] -= e * ui[j];
+        }
+    }
+}
+
+void gptq_int4_f32(const nxd_gptq_args* a) {
+    const int64_t N = a->N, K = a->K, G = a->group, ng = a->K / a->group;
+    const int64_t tiles = (N + QS_GPTQ_TILE - 1) / QS_GPTQ_TILE;
+    const int nt = a->nthreads < 1 ? 1 : a->nthreads;
+    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 1)")
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t r0 = t * QS_GPTQ_TILE, rows = N - r0 < QS_GPTQ_TILE ? N - r0 : QS_GPTQ_TILE;
+        qs_gptq_tile(a->w + r0 * K, rows, K, G, a->u, a->cand, a->ncand, a->codes + r0 * K, a->scale + r0 * ng,
+                     a->offset + r0 * ng);
+    }
+}
+
 #pragma GCC pop_options

@@ -758,3 +758,40 @@ def quant_search(
     fn.argtypes, fn.restype = [ctypes.POINTER(QsearchArgs)], None
     fn(ctypes.byref(args))
     return scale, offset
+
+
+class GptqArgs(ctypes.Structure):
+    _fields_ = [
+        *_fields("w", _p), *_fields("N K group", _i64), *_fields("u cand", _p), *_fields("ncand", _i64),
+        *_fields("codes scale offset", _p), ("nthreads", _i32),
+    ]  # fmt: skip
+
+
+STRUCTS["nxd_gptq_args"] = GptqArgs
+
+
+def gptq_int4(
+    weight: torch.Tensor, upper: torch.Tensor, group: int, candidates: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop (``gptq.py``) on ``weight`` (N, K) fp32 with ``upper`` (K, K) fp32, the upper Cholesky
+    factor of the damped H^-1, K a multiple of ``group`` (<= 128): (codes uint8 (N, K), scale, offset (N, K /
+    group)). ``weight`` is not changed (the loop updates a copy). Callers check ``available()``."""
+    lib = _library()
+    assert lib is not None
+    n, k = weight.shape
+    if k % group or group > 128 or upper.shape != (k, k) or {weight.dtype, upper.dtype} != {torch.float32}:
+        raise ValueError(f"gptq_int4: fp32 weight (N, K) and upper (K, K), K ({k}) a multiple of group ({group})")
+    w = weight.clone(memory_format=torch.contiguous_format)
+    u = upper.contiguous()
+    cand = torch.tensor(list(candidates), dtype=torch.float32)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    offset = torch.empty_like(scale)
+    args = GptqArgs(
+        w.data_ptr(), n, k, group, u.data_ptr(), cand.data_ptr(), cand.numel(), codes.data_ptr(), scale.data_ptr(),
+        offset.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    fn = lib.gptq_int4_f32
+    fn.argtypes, fn.restype = [ctypes.POINTER(GptqArgs)], None
+    fn(ctypes.byref(args))
+    return codes, scale, offset

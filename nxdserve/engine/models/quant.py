@@ -277,19 +277,29 @@ def quantize_int4(weight: torch.Tensor, group: int = 64, search: bool = True) ->
     n, k = w.shape
     padded = -(-k // group) * group
     g = F.pad(w, (0, padded - k)).view(n, padded // group, group)
-    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
-    span = (hi - lo).clamp_min(1e-12)
-    scale, offset = span / 15.0, lo
-    if search and _kernels_on():
+    scale, offset = int4_group_scales(g, search)
+    q = int4_codes(g, scale, offset).view(n, padded)
+    return int4_from_codes(q, scale.squeeze(2), offset.squeeze(2), group, k)
+
+
+def int4_group_scales(g: torch.Tensor, search: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset), each (rows, groups, 1), for the groups ``g`` (rows, groups, size) fp32: searched (in C where
+    the kernels run, ``csrc/qsearch.c``; else ``_int4_search``), or min/max round-to-nearest."""
+    if search and _kernels_on() and g.shape[2] <= max(INT4_GROUPS):
         from nxdserve.engine.models.cpu_kernels import quant_search
 
-        c_scale, c_offset = quant_search(g.view(n, padded), group, [15 + d for d in INT4_STEP_DELTAS], "int4")
-        assert c_offset is not None
-        scale, offset = c_scale.unsqueeze(2), c_offset.unsqueeze(2)
-    elif search:
-        scale, offset = _int4_search(g, lo, span)
-    q = torch.round((g - offset) / scale).clamp_(0, 15).to(torch.int32).view(n, padded)
-    return int4_from_codes(q, scale.squeeze(2), offset.squeeze(2), group, k)
+        n, groups, size = g.shape
+        scale, offset = quant_search(g.reshape(n, groups * size), size, [15 + d for d in INT4_STEP_DELTAS], "int4")
+        assert offset is not None
+        return scale.unsqueeze(2), offset.unsqueeze(2)
+    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
+    span = (hi - lo).clamp_min(1e-12)
+    return _int4_search(g, lo, span) if search else (span / 15.0, lo)
+
+
+def int4_codes(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The codes (int32, 0..15) of ``w`` on the grid ``q * scale + offset`` (broadcast), round-to-nearest."""
+    return torch.round((w - offset) / scale).clamp_(0, 15).to(torch.int32)
 
 
 def _int4_search(g: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
