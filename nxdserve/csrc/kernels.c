@@ -100,6 +100,7 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_SIZE(nxd_qsearch_args),
     NXD_FIELD(nxd_qsearch_args, w), NXD_FIELD(nxd_qsearch_args, N), NXD_FIELD(nxd_qsearch_args, K),
     NXD_FIELD(nxd_qsearch_args, group), NXD_FIELD(nxd_qsearch_args, cand), NXD_FIELD(nxd_qsearch_args, ncand),
+    NXD_FIELD(nxd_qsearch_args, importance),
     NXD_FIELD(nxd_qsearch_args, scale), NXD_FIELD(nxd_qsearch_args, offset), NXD_FIELD(nxd_qsearch_args, kind),
     NXD_FIELD(nxd_qsearch_args, nthreads),
 

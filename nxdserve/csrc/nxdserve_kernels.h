@@ -196,12 +196,14 @@ void lora_add_f32(const nxd_lora_args* a);
 
 /* ---- qsearch.c: the quantizers' scale searches at load (quant.py) ------------------------------------------ */
 /* w (N, K) fp32 contiguous, K a multiple of group; scale (and offset for int4) (N, K / group) written. kind 0 = int4
-   (group <= 128; cand: the candidate steps' 15 + d), 1 = fp8 e4m3 (cand: the multipliers of absmax / 448). */
+   (group <= 128; cand: the candidate steps' 15 + d), 1 = fp8 e4m3 (cand: the multipliers of absmax / 448).
+   importance (K) > 0 or NULL: int4's squared errors weighted per input column. */
 typedef struct nxd_qsearch_args {
     const float* w;
     int64_t N, K, group;
     const float* cand;
     int64_t ncand;
+    const float* importance;
     float* scale;
     float* offset;
     int32_t kind;

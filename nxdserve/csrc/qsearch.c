@@ -75,6 +75,50 @@ static inline __attribute__((always_inline)) void qs_int4_group(const float* g, 
     *offset = best_m;
 }
 
+/* qs_int4_group with each element's squared error weighted by its input's importance a[i] > 0 (the calibration
+   inputs' mean square, as llama.cpp's imatrix weights its search): the weighted least-squares fit. */
+__attribute__((noinline)) static void qs_int4_weighted(const float* g, const float* a, int64_t n, const float* cand,
+                                                       int64_t ncand, float* q, float* scale, float* offset) {
+    float lo = g[0], hi = g[0], sum_a = 0.f, sum_ax = 0.f;
+    for (int64_t i = 0; i < n; i++) {
+        lo = g[i] < lo ? g[i] : lo;
+        hi = g[i] > hi ? g[i] : hi;
+        sum_a += a[i];
+        sum_ax += a[i] * g[i];
+    }
+    float span = hi - lo;
+    span = span > 1e-12f ? span : 1e-12f;
+    const float rtn_s = span / 15.f;
+    float best_s = rtn_s, best_m = lo, best_err = 0.f;
+    for (int64_t i = 0; i < n; i++) {
+        const float e = qs_code4((g[i] - lo) / rtn_s) * rtn_s + lo - g[i];
+        best_err += a[i] * e * e;
+    }
+    const float inv_span = 1.f / span;
+    for (int64_t c = 0; c < ncand; c++) {
+        const float step = inv_span * cand[c];
+        float s = rtn_s, m = lo;
+        for (int pass = 0; pass < 2; pass++) {
+            for (int64_t i = 0; i < n; i++) q[i] = pass ? qs_code4((g[i] - m) / s) : qs_code4((g[i] - lo) * step);
+            float sum_aq = 0.f, sum_aqq = 0.f, sum_aqx = 0.f;
+            for (int64_t i = 0; i < n; i++) {
+                sum_aq += a[i] * q[i];
+                sum_aqq += a[i] * q[i] * q[i];
+                sum_aqx += a[i] * q[i] * g[i];
+            }
+            const float det = sum_a * sum_aqq - sum_aq * sum_aq;
+            s = det > 0.f ? (sum_a * sum_aqx - sum_aq * sum_ax) / det : rtn_s;
+            m = (sum_ax - s * sum_aq) / sum_a;
+            if (pass == 0) s = s > 0.f ? s : rtn_s;
+        }
+        float err = 0.f;
+        for (int64_t i = 0; i < n; i++) { const float e = q[i] * s + m - g[i]; err += a[i] * e * e; }
+        if (err < best_err && s > 0.f) { best_err = err; best_s = s; best_m = m; }
+    }
+    *scale = best_s;
+    *offset = best_m;
+}
+
 /* One function per group size, n a constant in each (unrolled, vectorised whole). noinline: a function keeps the
    pragma's options; inlined into OpenMP's outlined loop body it would lose them. */
 #define QS_INT4_SIZED(G)                                                                                           \
@@ -130,7 +174,9 @@ void quant_search_f32(const nxd_qsearch_args* a) {
         for (int64_t b = 0; b < ng; b++) {
             const float* g = a->w + n * K + b * G;
             float *scale = a->scale + n * ng + b, *offset = a->kind == 0 ? a->offset + n * ng + b : NULL;
-            if (a->kind == 0 && G == 32)
+            if (a->kind == 0 && a->importance)
+                qs_int4_weighted(g, a->importance + b * G, G, a->cand, a->ncand, q, scale, offset);
+            else if (a->kind == 0 && G == 32)
                 qs_int4_g32(g, a->cand, a->ncand, q, scale, offset);
             else if (a->kind == 0 && G == 64)
                 qs_int4_g64(g, a->cand, a->ncand, q, scale, offset);

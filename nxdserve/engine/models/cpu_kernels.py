@@ -727,7 +727,7 @@ def lora_add(args: LoraArgs, out: torch.Tensor, x: torch.Tensor, idx: torch.Tens
 class QsearchArgs(ctypes.Structure):
     _fields_ = [
         *_fields("w", _p), *_fields("N K group", _i64), *_fields("cand", _p), *_fields("ncand", _i64),
-        *_fields("scale offset", _p), ("kind", _i32), ("nthreads", _i32),
+        *_fields("importance scale offset", _p), ("kind", _i32), ("nthreads", _i32),
     ]  # fmt: skip
 
 
@@ -736,11 +736,12 @@ QSEARCH_KINDS = {"int4": 0, "fp8": 1}
 
 
 def quant_search(
-    weight: torch.Tensor, group: int, candidates: Sequence[float], kind: str
+    weight: torch.Tensor, group: int, candidates: Sequence[float], kind: str, importance: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quant.py``'s scale search per group of ``group`` columns of ``weight`` (N, K) fp32, K a multiple of
     ``group``: int4 (group <= 128; ``candidates`` the steps' 15 + d) -> (scale, offset), fp8 (``candidates`` the
-    multipliers of absmax / 448) -> (scale, None); each (N, K / group) fp32. Callers check ``available()``."""
+    multipliers of absmax / 448) -> (scale, None); each (N, K / group) fp32. ``importance`` (K,) > 0: int4's squared
+    errors weighted per input column. Callers check ``available()``."""
     lib = _library()
     assert lib is not None
     n, k = weight.shape
@@ -750,8 +751,12 @@ def quant_search(
     cand = torch.tensor(list(candidates), dtype=torch.float32)
     scale = torch.empty(n, k // group, dtype=torch.float32)
     offset = torch.empty_like(scale) if kind == "int4" else None
+    imp = None if importance is None else importance.float().contiguous()
+    if imp is not None and (imp.shape != (k,) or kind != "int4"):
+        raise ValueError(f"quant_search: importance is int4's, one per column ({k})")
     args = QsearchArgs(
-        w.data_ptr(), n, k, group, cand.data_ptr(), cand.numel(), scale.data_ptr(),
+        w.data_ptr(), n, k, group, cand.data_ptr(), cand.numel(), None if imp is None else imp.data_ptr(),
+        scale.data_ptr(),
         None if offset is None else offset.data_ptr(), QSEARCH_KINDS[kind], torch.get_num_threads(),
     )  # fmt: skip
     fn = lib.quant_search_f32

@@ -136,38 +136,54 @@ class _Calibrating(QuantLinear):
         return out if residual is None else out + residual
 
 
-def quantize_model_gptq(model: Any, group: int, tokenizer_path: Path | str | None) -> None:
-    """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group`` with GPTQ, calibrated
-    on ``CALIBRATION`` tokenized with ``tokenizer_path``'s tokenizer; the LM head stays dense."""
+def calibration_hessians(model: Any, tokenizer_path: Path | str | None) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per decoder linear (``layers.{i}.{attr}``), X^T X of its inputs over ``CALIBRATION`` (tokenized with
+    ``tokenizer_path``'s tokenizer) and the tokens counted, from one forward of the dense model; the model's
+    weights are left as they were."""
     from nxdserve.engine.models.runner import SlotModelRunner
 
     if tokenizer_path is None:
-        raise ConfigError("GPTQ quantization needs the model's tokenizer for its calibration text.")
+        raise ConfigError("4-bit calibration needs the model's tokenizer for its calibration text.")
     ids = calibration_ids(tokenizer_path)
     row = min(CALIBRATION_ROW, model.max_len)
     rows = [ids[i : i + row] for i in range(0, len(ids), row)]
     rows = [r for r in rows if len(r) >= 16] or rows[:1]
+    originals: dict[str, torch.Tensor] = {}
     standins: dict[str, _Calibrating] = {}
 
     def stand_in(name: str, weight: torch.Tensor) -> QuantLinear | None:
         if name == "lm_head":
             return None
         n, k = weight.shape
-        standins[name] = _Calibrating(
-            "int4", n, k, torch.empty(0), torch.empty(0), group=group, dense=weight.detach().float()
-        )
+        originals[name] = weight
+        standins[name] = _Calibrating("int4", n, k, torch.empty(0), torch.empty(0), dense=weight.detach().float())
         return standins[name]
 
     model.quantize_linears(stand_in)
-    runner = SlotModelRunner(model, num_slots=len(rows), max_len=row)
-    tokens = torch.tensor([t for r in rows for t in r])
-    lens = np.array([len(r) for r in rows])
-    with torch.inference_mode():
-        runner.run(tokens, np.arange(len(rows)), np.zeros(len(rows), dtype=np.int64), lens)
-    del runner
-    for i, layer in enumerate(model.layers):
-        for attr in model.QUANTIZABLE:
-            standin = standins.pop(f"layers.{i}.{attr}")
-            assert standin.dense is not None and standin.hessian is not None, "not called by the forward"
-            setattr(layer, attr, gptq_int4(standin.dense, standin.hessian, group))
-    logger.info("GPTQ: the decoder's linears at group %d, calibrated on %d tokens", group, len(tokens))
+    try:
+        runner = SlotModelRunner(model, num_slots=len(rows), max_len=row)
+        tokens = torch.tensor([t for r in rows for t in r])
+        lens = np.array([len(r) for r in rows])
+        with torch.inference_mode():
+            runner.run(tokens, np.arange(len(rows)), np.zeros(len(rows), dtype=np.int64), lens)
+        del runner
+    finally:
+        for i, layer in enumerate(model.layers):
+            for attr in model.QUANTIZABLE:
+                setattr(layer, attr, originals[f"layers.{i}.{attr}"])
+    out = {}
+    for name, standin in standins.items():
+        if standin.hessian is None:
+            raise RuntimeError(f"calibration: {name} was not called by the forward")
+        out[name] = (standin.hessian, standin.tokens)
+    return out
+
+
+def quantize_model_gptq(model: Any, group: int, tokenizer_path: Path | str | None) -> None:
+    """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group`` with GPTQ, the
+    Hessians from one forward of the dense model over the calibration text; the LM head stays dense."""
+    hessians = calibration_hessians(model, tokenizer_path)
+    model.quantize_linears(
+        lambda name, weight: None if name == "lm_head" else gptq_int4(weight, hessians[name][0], group)
+    )
+    logger.info("GPTQ: the decoder's linears at group %d", group)
