@@ -7,16 +7,17 @@ layer's output error, H = X^T X. The columns are then quantized in order; each c
 by the matching diagonal of H^-1's Cholesky factor, is spread over the columns not yet quantized (in blocks of
 ``BLOCK`` columns, the later blocks updated by one GEMM per block), so those columns absorb what the rounding lost
 as the calibration inputs see it. A group's scale and offset are searched (``quant.int4_group_scales``) on the
-updated weights when its first column comes up. The layers are quantized in the model's own order during one
-forward pass over the calibration text: each linear's inputs are those of the already-quantized layers before
-it (sequential GPTQ, as llm-compressor's ``GPTQModifier`` runs it). Codes, scales and offsets then land in the
-same ``QuantLinear`` format as the plain search's: serving is unchanged, only the load differs.
+updated weights when its first column comes up. The Hessians come from one forward of the dense model over the
+calibration text (``calibration_hessians``, shared with ``imatrix.py``; sequential calibration, each layer fed by
+the already-quantized ones as llm-compressor's ``GPTQModifier`` runs it, measured no better here). Codes, scales
+and offsets land in the same ``QuantLinear`` format as the plain search's: serving is unchanged.
 
 Cost: one prefill of the calibration text, then per linear a Cholesky and a triangular inverse of its (K, K)
 Hessian and the column loop (N K^2 multiply-adds; in C, ``csrc/qsearch.c``, where the kernels run). Measured on
 the default model, GPTQ lowers each linear's output error on held-out text (0.2-0.8x the plain search's at group 64
 with damping 1.0) but raises the model's perplexity (docs/quantization.md, "Accuracy"): it is not offered as a
-``--quantization`` method; ``benchmarks/quant_accuracy.py --gptq`` reproduces the figures.
+``--quantization`` method; ``benchmarks/quant_accuracy.py --formats int4-g64-gptq int4-g128-gptq`` reproduces
+the figures.
 """
 
 from __future__ import annotations
