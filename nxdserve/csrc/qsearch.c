@@ -9,9 +9,11 @@
      least squares, re-rounded and refitted once.
    - kind 1 (fp8 e4m3): scale among base * cand[i] (base = absmax / 448) whose e4m3 codes have the least squared
      error; offset NULL.
+   int4 with importance (imatrix.py): each element's squared error weighted by its column's importance.
    Each group is computed whole by one thread (the results do not depend on the split). The loops are plain C
-   that GCC vectorises (AVX2 in the avx2 build); rintf is round-half-even, torch.round's rule. The sums' order
-   differs from torch's, so a near tie may pick the other candidate: tests bound the difference in error. */
+   that GCC vectorises (AVX2 in the avx2 build); rintf is round-half-even, torch.round's rule. fp8 picks torch's
+   scales; int4's sums run in another order than torch's, so a near tie may pick the other candidate: tests bound
+   the difference in error. Also here: GPTQ's column loop (gptq_int4_f32, at the end). */
 
 #include <float.h>
 
