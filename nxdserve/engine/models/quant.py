@@ -395,6 +395,8 @@ METHODS: dict[str, tuple[str, int]] = {
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
+    """One weight in ``method``'s format, without calibration: for groups in ``CALIBRATED_GROUPS`` this is the
+    plain search; ``quantize_model`` serves those with the calibrated one (``imatrix.py``)."""
     kind, group = METHODS[method]
     if kind == "int8":
         return quantize_int8(weight)
