@@ -6,23 +6,51 @@ activations), computes the logits over the shipped sample ``benchmarks/data/ppl_
 and reports its perplexity, the change against the bf16 model's (the issue's reference) and the fp32 model's,
 and the teacher-forced greedy (top-1) agreement with each. Prints a table and writes JSON.
 
-    PYTHONPATH=$PWD python benchmarks/quant_accuracy.py [--formats bf16 fp32 int8 ...] [--json out.json]
+Besides the served formats, ``EXTRA`` builds the 4-bit groups 64 / 128 two other ways for comparison in the same
+run: ``-plain``, the calibration-free search those methods used before (``quant.quantize_int4``), and ``-gptq``
+(``gptq.py``: measured worse, not served).
+
+    PYTHONPATH=$PWD python benchmarks/quant_accuracy.py [--formats bf16 fp32 int8 ... int4-g64-plain] [--json f]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
 import torch
 
-from nxdserve.engine.models.perplexity import FORMATS, format_logits, perplexity, sample_token_ids, top1_agreement
+from nxdserve.engine.models import gptq, quant
+from nxdserve.engine.models.perplexity import (
+    FORMATS,
+    _dense_default_model,
+    format_logits,
+    next_token_logits,
+    perplexity,
+    sample_token_ids,
+    top1_agreement,
+)
+from nxdserve.model_files import resolve_model
+
+EXTRA = ("int4-g64-plain", "int4-g128-plain", "int4-g64-gptq", "int4-g128-gptq")
+
+
+def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
+    """The logits of an ``EXTRA`` format: the fp32 default model's decoder linears quantized that way."""
+    group = int(fmt.split("-")[1][1:])
+    model = copy.deepcopy(_dense_default_model(torch.float32))
+    if fmt.endswith("-gptq"):
+        gptq.quantize_model_gptq(model, group, resolve_model(None))
+    else:
+        model.quantize_linears(lambda name, w: None if name == "lm_head" else quant.quantize_int4(w, group))
+    return next_token_logits(model, ids)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + EXTRA)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ids = sample_token_ids()
@@ -34,7 +62,7 @@ def main() -> None:
     rows = []
     for fmt in dict.fromkeys(["bf16", "fp32", *args.formats]):  # the two references first
         start = time.perf_counter()
-        logits[fmt] = format_logits(fmt, ids)
+        logits[fmt] = extra_logits(fmt, ids) if fmt in EXTRA else format_logits(fmt, ids)
         seconds[fmt] = time.perf_counter() - start
         if fmt == "bf16":
             continue

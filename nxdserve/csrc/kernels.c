@@ -36,6 +36,7 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
 #include "qgemm_i8.c"
 #include "qdecode.c" /* after both GEMMs: it calls their row kernels */
 #include "lora.c"
+#include "qsearch.c"
 
 #define NXD_FIELD(T, F) {#T, #F, (int64_t)offsetof(T, F), (int64_t)sizeof(((T*)0)->F)}
 #define NXD_SIZE(T) {#T, NULL, 0, (int64_t)sizeof(T)}
@@ -107,6 +108,19 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_lora_args, starts), NXD_FIELD(nxd_lora_args, S), NXD_FIELD(nxd_lora_args, rmax),
     NXD_FIELD(nxd_lora_args, N),
     NXD_FIELD(nxd_lora_args, out), NXD_FIELD(nxd_lora_args, os), NXD_FIELD(nxd_lora_args, nthreads),
+
+    NXD_SIZE(nxd_qsearch_args),
+    NXD_FIELD(nxd_qsearch_args, w), NXD_FIELD(nxd_qsearch_args, N), NXD_FIELD(nxd_qsearch_args, K),
+    NXD_FIELD(nxd_qsearch_args, group), NXD_FIELD(nxd_qsearch_args, cand), NXD_FIELD(nxd_qsearch_args, ncand),
+    NXD_FIELD(nxd_qsearch_args, importance),
+    NXD_FIELD(nxd_qsearch_args, scale), NXD_FIELD(nxd_qsearch_args, offset), NXD_FIELD(nxd_qsearch_args, kind),
+    NXD_FIELD(nxd_qsearch_args, nthreads),
+
+    NXD_SIZE(nxd_gptq_args),
+    NXD_FIELD(nxd_gptq_args, w), NXD_FIELD(nxd_gptq_args, N), NXD_FIELD(nxd_gptq_args, K),
+    NXD_FIELD(nxd_gptq_args, group), NXD_FIELD(nxd_gptq_args, u), NXD_FIELD(nxd_gptq_args, cand),
+    NXD_FIELD(nxd_gptq_args, ncand), NXD_FIELD(nxd_gptq_args, codes), NXD_FIELD(nxd_gptq_args, scale),
+    NXD_FIELD(nxd_gptq_args, offset), NXD_FIELD(nxd_gptq_args, nthreads),
 };
 
 const nxd_field_layout* nxd_struct_layouts(int64_t* count) {

@@ -229,6 +229,41 @@ void lora_add_f32(const nxd_lora_args* a);
    product scaled once in fp32 (see qgemm_i8.c for the rounding); format 2 (fp8) runs qgemm_f32. */
 void qgemm_i8_f32(const nxd_qgemm_args* a);
 
+/* ---- qsearch.c: the quantizers' scale searches at load (quant.py) ------------------------------------------ */
+/* w (N, K) fp32 contiguous, K a multiple of group; scale (and offset for int4) (N, K / group) written. kind 0 = int4
+   (group <= 128; cand: the candidate steps' 15 + d), 1 = fp8 e4m3 (cand: the multipliers of absmax / 448).
+   importance (K) > 0 or NULL: int4's squared errors weighted per input column. */
+typedef struct nxd_qsearch_args {
+    const float* w;
+    int64_t N, K, group;
+    const float* cand;
+    int64_t ncand;
+    const float* importance;
+    float* scale;
+    float* offset;
+    int32_t kind;
+    int32_t nthreads;
+} nxd_qsearch_args;
+
+void quant_search_f32(const nxd_qsearch_args* a);
+
+/* GPTQ's column loop (gptq.py): w (N, K) fp32 contiguous, updated in place, K a multiple of group (<= 128); u (K, K)
+   the upper Cholesky factor of the damped H^-1; cand as int4's above. Writes codes (N, K) 0..15, scale and offset
+   (N, K / group). */
+typedef struct nxd_gptq_args {
+    float* w;
+    int64_t N, K, group;
+    const float* u;
+    const float* cand;
+    int64_t ncand;
+    uint8_t* codes;
+    float* scale;
+    float* offset;
+    int32_t nthreads;
+} nxd_gptq_args;
+
+void gptq_int4_f32(const nxd_gptq_args* a);
+
 /* ---- kernels.c: the layout check ---------------------------------------------------------------------------- */
 /* One entry per field of every struct above (field = its name), plus one per struct with field NULL and size
    = sizeof(struct). */

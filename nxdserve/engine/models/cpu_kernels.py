@@ -750,3 +750,84 @@ def lora_add(args: LoraArgs, out: torch.Tensor, x: torch.Tensor, idx: torch.Tens
     args.idx, args.out, args.os = idx.data_ptr(), out.data_ptr(), out.stride(0)
     args.nthreads = torch.get_num_threads()
     (lib.lora_add_bf16 if x.dtype == torch.bfloat16 else lib.lora_add_f32)(ctypes.byref(args))
+
+
+# -- the quantizers' scale searches at load (csrc/qsearch.c) ------------------------------------------------------
+
+
+class QsearchArgs(ctypes.Structure):
+    _fields_ = [
+        *_fields("w", _p), *_fields("N K group", _i64), *_fields("cand", _p), *_fields("ncand", _i64),
+        *_fields("importance scale offset", _p), ("kind", _i32), ("nthreads", _i32),
+    ]  # fmt: skip
+
+
+STRUCTS["nxd_qsearch_args"] = QsearchArgs
+QSEARCH_KINDS = {"int4": 0, "fp8": 1}
+
+
+def quant_search(
+    weight: torch.Tensor, group: int, candidates: Sequence[float], kind: str, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``quant.py``'s scale search per group of ``group`` columns of ``weight`` (N, K) fp32, K a multiple of
+    ``group``: int4 (group <= 128; ``candidates`` the steps' 15 + d) -> (scale, offset), fp8 (``candidates`` the
+    multipliers of absmax / 448) -> (scale, None); each (N, K / group) fp32. ``importance`` (K,) > 0: int4's squared
+    errors weighted per input column. Callers check ``available()``."""
+    lib = _library()
+    assert lib is not None
+    n, k = weight.shape
+    if k % group or weight.dtype != torch.float32 or (kind == "int4" and group > 128):
+        raise ValueError(f"quant_search: fp32 weight with K ({k}) a multiple of group ({group}), int4 groups <= 128")
+    w = weight.contiguous()
+    cand = torch.tensor(list(candidates), dtype=torch.float32)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    offset = torch.empty_like(scale) if kind == "int4" else None
+    imp = None if importance is None else importance.float().contiguous()
+    if imp is not None and (imp.shape != (k,) or kind != "int4"):
+        raise ValueError(f"quant_search: importance is int4's, one per column ({k})")
+    args = QsearchArgs(
+        w.data_ptr(), n, k, group, cand.data_ptr(), cand.numel(), None if imp is None else imp.data_ptr(),
+        scale.data_ptr(),
+        None if offset is None else offset.data_ptr(), QSEARCH_KINDS[kind], torch.get_num_threads(),
+    )  # fmt: skip
+    fn = lib.quant_search_f32
+    fn.argtypes, fn.restype = [ctypes.POINTER(QsearchArgs)], None
+    fn(ctypes.byref(args))
+    return scale, offset
+
+
+class GptqArgs(ctypes.Structure):
+    _fields_ = [
+        *_fields("w", _p), *_fields("N K group", _i64), *_fields("u cand", _p), *_fields("ncand", _i64),
+        *_fields("codes scale offset", _p), ("nthreads", _i32),
+    ]  # fmt: skip
+
+
+STRUCTS["nxd_gptq_args"] = GptqArgs
+
+
+def gptq_int4(
+    weight: torch.Tensor, upper: torch.Tensor, group: int, candidates: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop (``gptq.py``) on ``weight`` (N, K) fp32 with ``upper`` (K, K) fp32, the upper Cholesky
+    factor of the damped H^-1, K a multiple of ``group`` (<= 128): (codes uint8 (N, K), scale, offset (N, K /
+    group)). ``weight`` is not changed (the loop updates a copy). Callers check ``available()``."""
+    lib = _library()
+    assert lib is not None
+    n, k = weight.shape
+    if k % group or group > 128 or upper.shape != (k, k) or {weight.dtype, upper.dtype} != {torch.float32}:
+        raise ValueError(f"gptq_int4: fp32 weight (N, K) and upper (K, K), K ({k}) a multiple of group ({group})")
+    w = weight.clone(memory_format=torch.contiguous_format)
+    u = upper.contiguous()
+    cand = torch.tensor(list(candidates), dtype=torch.float32)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    offset = torch.empty_like(scale)
+    args = GptqArgs(
+        w.data_ptr(), n, k, group, u.data_ptr(), cand.data_ptr(), cand.numel(), codes.data_ptr(), scale.data_ptr(),
+        offset.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    fn = lib.gptq_int4_f32
+    fn.argtypes, fn.restype = [ctypes.POINTER(GptqArgs)], None
+    fn(ctypes.byref(args))
+    return codes, scale, offset

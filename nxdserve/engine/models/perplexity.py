@@ -65,13 +65,13 @@ def _dense_default_model(dtype: torch.dtype) -> LlamaFamilyModel:
 def default_model(fmt: str) -> LlamaFamilyModel:
     """The default model in ``fmt`` (a dense dtype, a ``quant.METHODS`` name or gguf): a fresh copy."""
     from nxdserve.engine.models.quant import METHODS, quantize_model
-    from nxdserve.model_files import default_gguf_path
+    from nxdserve.model_files import default_gguf_path, resolve_model
 
     if fmt not in FORMATS and fmt not in METHODS:
         raise ValueError(f"unknown format {fmt!r}: expected one of {FORMATS} or {tuple(METHODS)}")
     model = copy.deepcopy(_dense_default_model(DENSE_FORMATS.get(fmt, torch.float32)))
     if fmt not in DENSE_FORMATS:
-        quantize_model(model, fmt, default_gguf_path())
+        quantize_model(model, fmt, default_gguf_path(), checkpoint=resolve_model(None))  # its tokenizer
     return model
 
 

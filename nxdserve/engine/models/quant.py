@@ -226,9 +226,16 @@ FP8_BLOCK = 32  # fp8 scales: one per this many input columns of a row
 # Candidate scales per fp8 block: absmax / 448 times 2**(j / 16), j < 16. e4m3's grid is log-spaced (3 mantissa
 # bits), so one octave of scales covers every placement of a block's values on it; the largest value never clips.
 FP8_SCALE_STEPS = 16
+FP8_SCALE_MULTIPLIERS = tuple(2.0 ** (step / FP8_SCALE_STEPS) for step in range(FP8_SCALE_STEPS))
 # Candidate 4-bit steps per group: (max - min) / (15 + d), d in this grid (llama.cpp's make_qkx2_quants searches
 # the same span); each candidate's codes then get the least-squares scale and offset.
 INT4_STEP_DELTAS = tuple(d / 5 for d in range(-5, 6))
+# The activation-weighted search (imatrix.py) over twice the span: d in -2..2 measured 13.0% -> 11.3% perplexity at
+# group 64 on the default model (a finer -3..3 grid in steps of 0.1: the same 11.2%).
+IMATRIX_STEP_DELTAS = tuple(d / 5 for d in range(-10, 11))
+# 4-bit groups over 32 calibrate at load (imatrix.py): the plain search measured +20% / +70% perplexity at 64 / 128
+# on the default model, the activation-weighted one +11% / +18% (docs/quantization.md, "Accuracy").
+CALIBRATED_GROUPS = (64, 128)
 # True: ``--quantization fp8`` makes NxD's own codes (per_channel_symmetric: one absmax scale per row, no search),
 # for comparing the torch backend with the nxd one weight for weight (tests).
 fp8_per_channel_absmax = False
@@ -245,14 +252,12 @@ def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK, search: bool = Tr
     n, k = w.shape
     group = block if block and k % block == 0 else k
     blocks = w.view(n, k // group, group)
-    base = (blocks.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-    best_err = torch.full_like(base, float("inf"))
-    best_scale = base
-    for step in range(FP8_SCALE_STEPS if search else 1):
-        scale = base * 2.0 ** (step / FP8_SCALE_STEPS)
-        err = ((blocks / scale).to(torch.float8_e4m3fn).float() * scale - blocks).square_().sum(dim=2, keepdim=True)
-        better = err < best_err
-        best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    if search and _kernels_on():
+        from nxdserve.engine.models.cpu_kernels import quant_search
+
+        best_scale = quant_search(w, group, FP8_SCALE_MULTIPLIERS, "fp8")[0].unsqueeze(2)
+    else:
+        best_scale = _fp8_search(blocks, FP8_SCALE_STEPS if search else 1)
     codes = (blocks / best_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, k)
     scales = best_scale.view(n, k // group)
     if group == k:
@@ -260,44 +265,103 @@ def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK, search: bool = Tr
     return QuantLinear("fp8", n, k, codes.contiguous(), scales.contiguous(), group=group)
 
 
-def quantize_int4(weight: torch.Tensor, group: int = 64, search: bool = True) -> QuantLinear:
+def _fp8_search(blocks: torch.Tensor, steps: int) -> torch.Tensor:
+    """The least-squared-error scale per block of ``blocks`` (rows, blocks, size) among the first ``steps`` of
+    ``FP8_SCALE_MULTIPLIERS`` times absmax / 448 (torch; ``csrc/qsearch.c`` makes the same choice in C)."""
+    base = (blocks.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    best_err = torch.full_like(base, float("inf"))
+    best_scale = base
+    for multiplier in FP8_SCALE_MULTIPLIERS[:steps]:
+        scale = base * multiplier
+        err = ((blocks / scale).to(torch.float8_e4m3fn).float() * scale - blocks).square_().sum(dim=2, keepdim=True)
+        better = err < best_err
+        best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    return best_scale
+
+
+def quantize_int4(
+    weight: torch.Tensor,
+    group: int = 64,
+    search: bool = True,
+    importance: torch.Tensor | None = None,
+    deltas: tuple[float, ...] = INT4_STEP_DELTAS,
+) -> QuantLinear:
     """Asymmetric 4-bit per group of ``group`` input columns: ``w ~ q * scale + offset``, q in 0..15.
 
     ``search``: each group's scale and offset minimise its squared error over candidate steps
     (``INT4_STEP_DELTAS``, each code assignment refitted by least squares, then its codes re-rounded and refitted
-    once); without it plain round-to-nearest on the group's min/max (vLLM's ``rtn``)."""
+    once); without it plain round-to-nearest on the group's min/max (vLLM's ``rtn``). ``importance`` (K,) > 0: the
+    search's squared errors weighted per input column (``imatrix.py``); ``deltas``: the candidate steps' d."""
     if group not in INT4_GROUPS:
         raise ValueError(f"4-bit group size must be one of {INT4_GROUPS}, got {group}")
     w = weight.detach().float()
     n, k = w.shape
     padded = -(-k // group) * group
     g = F.pad(w, (0, padded - k)).view(n, padded // group, group)
-    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
-    span = (hi - lo).clamp_min(1e-12)
-    scale, offset = span / 15.0, lo
-    if search:
-        scale, offset = _int4_search(g, lo, span)
-    q = torch.round((g - offset) / scale).clamp_(0, 15).to(torch.int32).view(n, padded)
+    imp = None if importance is None else F.pad(importance.float(), (0, padded - k), value=1.0)
+    scale, offset = int4_group_scales(g, search, imp, deltas)
+    q = int4_codes(g, scale, offset).view(n, padded)
     return int4_from_codes(q, scale.squeeze(2), offset.squeeze(2), group, k)
 
 
-def _int4_search(g: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The least-squared-error (scale, offset) per group of ``g`` (rows, groups, group) among the candidates."""
+def int4_group_scales(
+    g: torch.Tensor,
+    search: bool = True,
+    importance: torch.Tensor | None = None,
+    deltas: tuple[float, ...] = INT4_STEP_DELTAS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset), each (rows, groups, 1), for the groups ``g`` (rows, groups, size) fp32: searched (in C where
+    the kernels run, ``csrc/qsearch.c``; else ``_int4_search``), or min/max round-to-nearest. ``importance``
+    (groups * size,) > 0 weights the search's squared errors per column."""
+    n, groups, size = g.shape
+    if search and _kernels_on() and size <= max(INT4_GROUPS):
+        from nxdserve.engine.models.cpu_kernels import quant_search
+
+        candidates = [15 + d for d in deltas]
+        scale, offset = quant_search(g.reshape(n, groups * size), size, candidates, "int4", importance)
+        assert offset is not None
+        return scale.unsqueeze(2), offset.unsqueeze(2)
+    lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
+    span = (hi - lo).clamp_min(1e-12)
+    if not search:
+        return span / 15.0, lo
+    return _int4_search(g, lo, span, None if importance is None else importance.view(groups, size), deltas)
+
+
+def int4_codes(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The codes (int32, 0..15) of ``w`` on the grid ``q * scale + offset`` (broadcast), round-to-nearest."""
+    return torch.round((w - offset) / scale).clamp_(0, 15).to(torch.int32)
+
+
+def _int4_search(
+    g: torch.Tensor,
+    lo: torch.Tensor,
+    span: torch.Tensor,
+    importance: torch.Tensor | None = None,
+    deltas: tuple[float, ...] = INT4_STEP_DELTAS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least-squared-error (scale, offset) per group of ``g`` (rows, groups, group) among the candidates; with
+    ``importance`` (groups, group) > 0 each element's squared error weighted by its column's."""
     size = g.shape[2]
-    sum_x = g.sum(dim=2, keepdim=True)
+    a = None if importance is None else importance.unsqueeze(0)
+    sum_a = size if a is None else a.sum(2, keepdim=True)
+    sum_x = g.sum(dim=2, keepdim=True) if a is None else (a * g).sum(2, keepdim=True)
+
+    def weighted(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(2, keepdim=True) if a is None else (a * t).sum(2, keepdim=True)
 
     def fit(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Least squares of w ~ q * s + m over the group; a group whose codes are all equal keeps the RTN step.
-        sum_q, sum_qq, sum_qx = q.sum(2, keepdim=True), (q * q).sum(2, keepdim=True), (q * g).sum(2, keepdim=True)
-        det = size * sum_qq - sum_q * sum_q
-        s = torch.where(det > 0, (size * sum_qx - sum_q * sum_x) / det.clamp_min(1e-30), span / 15.0)
-        m = (sum_x - s * sum_q) / size
-        return s, m, (q * s + m - g).square_().sum(2, keepdim=True)
+        sum_q, sum_qq, sum_qx = weighted(q), weighted(q * q), weighted(q * g)
+        det = sum_a * sum_qq - sum_q * sum_q
+        s = torch.where(det > 0, (sum_a * sum_qx - sum_q * sum_x) / det.clamp_min(1e-30), span / 15.0)
+        m = (sum_x - s * sum_q) / sum_a
+        return s, m, weighted((q * s + m - g).square_())
 
     rtn_scale = span / 15.0
     best_s, best_m = rtn_scale, lo
-    best_err = (torch.round((g - lo) / rtn_scale).clamp_(0, 15) * rtn_scale + lo - g).square_().sum(2, keepdim=True)
-    for delta in INT4_STEP_DELTAS:
+    best_err = weighted((torch.round((g - lo) / rtn_scale).clamp_(0, 15) * rtn_scale + lo - g).square_())
+    for delta in deltas:
         s, m, _ = fit(torch.round((g - lo) * ((15 + delta) / span)).clamp_(0, 15))
         s = torch.where(s > 0, s, rtn_scale)
         s, m, err = fit(torch.round((g - m) / s).clamp_(0, 15))
@@ -333,11 +397,14 @@ METHODS: dict[str, tuple[str, int]] = {
     "rtn-int8": ("int8", 0),  # vLLM's "rtn" (round-to-nearest) with RTN_NUM_BITS=8
     "int4": ("int4", 32),  # group 32: the one 4-bit group within 10% perplexity on the default model
     "rtn": ("int4", 128),  # vLLM's "rtn" default: 4 bits, group 128, plain round-to-nearest (no scale search)
+    # groups 64 / 128: the activation-weighted search, calibrated at load (CALIBRATED_GROUPS, imatrix.py)
     **{f"int4-g{g}": ("int4", g) for g in INT4_GROUPS},
 }
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
+    """One weight in ``method``'s format, without calibration: for groups in ``CALIBRATED_GROUPS`` this is the
+    plain search; ``quantize_model`` serves those with the calibrated one (``imatrix.py``)."""
     kind, group = METHODS[method]
     if kind == "int8":
         return quantize_int8(weight)
@@ -348,8 +415,9 @@ def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
 
 def quantize_model(model: Any, method: str, gguf_path: Path | None = None, checkpoint: Path | None = None) -> None:
     """Apply ``--quantization method`` to a loaded ``LlamaFamilyModel``: quantize its dense linears (a name in
-    ``METHODS``), or put a file's own codes in their place: ``gguf`` (the .gguf file's blocks) or
-    ``compressed-tensors`` (the ``checkpoint`` folder's, ``compressed_tensors.py``)."""
+    ``METHODS``; 4-bit groups over 32 calibrated on a text tokenized with ``checkpoint``'s tokenizer), or put a
+    file's own codes in their place: ``gguf`` (the .gguf file's blocks) or ``compressed-tensors`` (the
+    ``checkpoint`` folder's, ``compressed_tensors.py``)."""
     if method == "compressed-tensors":
         from nxdserve.engine.models.compressed_tensors import CompressedCheckpoint
 
@@ -363,6 +431,12 @@ def quantize_model(model: Any, method: str, gguf_path: Path | None = None, check
     if method != "gguf":
         if method not in METHODS:
             raise ConfigError(f"--quantization {method!r}: expected one of {', '.join(METHODS)} or gguf.")
+        kind, group = METHODS[method]
+        if kind == "int4" and group in CALIBRATED_GROUPS and method != "rtn":
+            from nxdserve.engine.models.imatrix import quantize_model_imatrix
+
+            quantize_model_imatrix(model, group, checkpoint)  # the LM head stays dense, as below
+            return
         # The LM head stays dense: on the default model quantizing the tied head too cost int8 1.6% and fp8 3%
         # perplexity (over the 1% bound; perf_notes.md), as in vLLM, whose online methods leave it dense.
         model.quantize_linears(lambda name, weight: None if name == "lm_head" else quantize(weight, method))

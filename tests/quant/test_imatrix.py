@@ -1,0 +1,94 @@
+"""4-bit groups over 32 calibrated at load (imatrix.py): the activation-weighted search, end to end on a tiny
+model and against the plain search on synthetic weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxdserve.engine.models import cpu_kernels, gptq, imatrix, quant
+from nxdserve.engine.models.llama import LlamaFamilyModel
+from nxdserve.errors import ConfigError
+from tests.helpers.cpu_paths import forced_cpu_path
+from tests.helpers.tiny_model import tiny_model_path
+
+
+def _tiny() -> tuple[LlamaFamilyModel, object]:
+    path = tiny_model_path("llama")
+    return LlamaFamilyModel.from_pretrained(path, torch.float32, torch.device("cpu")), path
+
+
+@pytest.mark.parametrize("isa", ["none", "avx2"])
+def test_weighted_search_fits_the_weights_large_inputs_multiply(isa: str) -> None:
+    """Weighted by per-column importance, the search trades error on unimportant columns for the important ones:
+    less weighted error than the plain search, in C and in torch alike."""
+    if isa == "avx2" and "avx2" not in cpu_kernels.runnable_paths():
+        pytest.skip("no AVX2")
+    torch.manual_seed(0)
+    weight = torch.randn(32, 256) * 0.05
+    importance = torch.rand(256) ** 4 * 100 + 0.01  # a few columns matter most, as activations' mean squares do
+    with forced_cpu_path(isa):
+        plain = quant.quantize_int4(weight, 64)
+        weighted = quant.quantize_int4(weight, 64, importance=importance, deltas=quant.IMATRIX_STEP_DELTAS)
+
+    def weighted_error(q: quant.QuantLinear) -> float:
+        return float(((q.dequantize() - weight).square() * importance).sum())
+
+    assert weighted_error(weighted) < 0.9 * weighted_error(plain)
+
+
+def test_weighted_search_in_c_matches_torch() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(24, 192) * 0.05
+    importance = torch.rand(192) ** 4 * 100 + 0.01
+    results = {}
+    for isa in ("none", "generic"):
+        with forced_cpu_path(isa):
+            results[isa] = quant.quantize_int4(weight, 64, importance=importance, deltas=quant.IMATRIX_STEP_DELTAS)
+    errors = {
+        isa: ((q.dequantize() - weight).square() * importance).view(24, 3, 64).sum(2) for isa, q in results.items()
+    }
+    assert torch.all(errors["generic"] <= errors["none"] * (1 + 1e-4) + 1e-12)
+
+
+def test_int4_groups_over_32_calibrate_at_load() -> None:
+    model, path = _tiny()
+    importance = imatrix.activation_importance(model, path)
+    assert set(importance) == {f"layers.{i}.{a}" for i in range(2) for a in model.QUANTIZABLE}
+    # The calibration forward leaves the dense weights in place.
+    assert all(isinstance(getattr(layer, a), torch.nn.Parameter) for layer in model.layers for a in model.QUANTIZABLE)
+    dense = {a: getattr(model.layers[0], a).detach().clone() for a in model.QUANTIZABLE}
+    hidden_before = model.layers[0].qkv_weight.shape
+    quant.quantize_model(model, "int4-g64", checkpoint=path)
+    for attr in model.QUANTIZABLE:
+        q = getattr(model.layers[0], attr)
+        assert type(q) is quant.QuantLinear and q.kind == "int4" and q.group == 64
+        plain = quant.quantize_int4(dense[attr], 64)
+        # The calibrated grid is not the plain one, and it fits the calibration's important columns better.
+        imp = importance[f"layers.0.{attr}"]
+        err = [float(((x.dequantize() - dense[attr]).square() * imp).sum()) for x in (q, plain)]
+        assert err[0] <= err[1]
+    assert model.layers[0].qkv_weight.shape == hidden_before
+    assert model.lm_head_quant is None
+    # The quantized model still runs.
+    from nxdserve.engine.models.perplexity import next_token_logits
+
+    logits = next_token_logits(model, list(range(5, 40)))
+    assert logits.shape[0] == 35 and torch.isfinite(logits).all()
+
+
+def test_calibration_needs_the_tokenizer() -> None:
+    model, _ = _tiny()
+    with pytest.raises(ConfigError, match="tokenizer"):
+        quant.quantize_model(model, "int4-g128", checkpoint=None)
+    # rtn (group 128, round-to-nearest) needs no calibration.
+    quant.quantize_model(model, "rtn")
+    assert model.layers[0].qkv_weight.group == 128
+
+
+def test_calibration_text_is_not_the_evaluation_sample() -> None:
+    from nxdserve.engine.models.perplexity import SAMPLE
+
+    calibration, sample = gptq.CALIBRATION.read_text(), SAMPLE.read_text()
+    sentences = {s.strip() for s in sample.split(".") if len(s.strip()) > 20}
+    assert not any(s in calibration for s in sentences)
