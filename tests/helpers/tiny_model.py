@@ -167,3 +167,17 @@ def single_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def slot_meta(model: Any, slots: list[int], starts: list[int], lens: list[int], max_len: int) -> Any:
+    """The AttentionMetadata of one step of ``model`` (a LlamaFamilyModel on the CPU): row i continues slot
+    ``slots[i]`` from position ``starts[i]`` with ``lens[i]`` tokens, in a cache of ``max_len`` positions."""
+    import numpy as np
+
+    from nxdserve.engine.models.attention import AttentionMetadata
+
+    return AttentionMetadata.build(
+        np.array(slots), np.array(starts), np.array(lens),
+        num_query_groups=model.spec.num_heads // model.spec.num_kv_heads, windows=model.windows,
+        max_len=max_len, device=torch.device("cpu"), dtype=model.dtype,
+    )  # fmt: skip

@@ -4,19 +4,19 @@ text from the engine with the switch on and off."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.models import cpu_kernels, fused_qdecode, quant
-from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
+from nxdserve.engine.models.attention import SlotKVCache
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from tests.helpers.cpu_paths import forced_cpu_path
-from tests.helpers.tiny_model import single_torch_thread, tiny_model_path
+from tests.helpers.tiny_model import single_torch_thread, slot_meta, tiny_model_path
 
 KERNEL_PATHS = [p for p in cpu_kernels.runnable_paths() if p != "none"]
 MAX_LEN = 48
@@ -35,12 +35,7 @@ def _model(family: str, method: str) -> LlamaFamilyModel:
     return model
 
 
-def _meta(model: LlamaFamilyModel, slots: list[int], starts: list[int], lens: list[int]) -> AttentionMetadata:
-    return AttentionMetadata.build(
-        np.array(slots), np.array(starts), np.array(lens),
-        num_query_groups=model.spec.num_heads // model.spec.num_kv_heads, windows=model.windows,
-        max_len=MAX_LEN, device=torch.device("cpu"), dtype=model.dtype,
-    )  # fmt: skip
+_meta = functools.partial(slot_meta, max_len=MAX_LEN)  # one step's AttentionMetadata in a MAX_LEN cache
 
 
 def _prefilled(model: LlamaFamilyModel, gen: torch.Generator) -> SlotKVCache:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from nxdserve.engine.models import cpu_kernels, fused_decode, gemm
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
 from nxdserve.engine.models.llama import LlamaFamilyModel
-from tests.helpers.tiny_model import _llama, single_torch_thread, tiny_model_path
+from tests.helpers.tiny_model import _llama, single_torch_thread, slot_meta, tiny_model_path
 
 needs_fused = pytest.mark.skipif(not fused_decode.available(), reason="no AVX512-BF16 C kernels on this machine")
 MAX_LEN = 64
@@ -67,12 +68,7 @@ def custom_model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     return paths
 
 
-def _meta(model: LlamaFamilyModel, slots: list[int], starts: list[int], lens: list[int]) -> AttentionMetadata:
-    return AttentionMetadata.build(
-        np.array(slots), np.array(starts), np.array(lens),
-        num_query_groups=model.spec.num_heads // model.spec.num_kv_heads, windows=model.windows,
-        max_len=MAX_LEN, device=torch.device("cpu"), dtype=model.dtype,
-    )  # fmt: skip
+_meta = functools.partial(slot_meta, max_len=MAX_LEN)  # one step's AttentionMetadata in a MAX_LEN cache
 
 
 CHUNK_START, CHUNK_LEN = 8, 12
