@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from nxdserve.config import DEFAULT_CHUNKED_BATCHED_TOKENS, DEFAULT_CPU_CHUNKED_BATCHED_TOKENS, EngineConfig
+from nxdserve.cpu_options import CpuOptions
 from nxdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,16 @@ def torch_on_cpu(config: EngineConfig) -> bool:
     return not (config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()))
 
 
+def unused_cpu_switches(config: EngineConfig, on_cpu: bool) -> list[str]:
+    """The CPU options (``--cpu-*`` flags) set away from their defaults where no CPU kernel will read them: the
+    nxd backend (NeuronCores) and the torch backend on CUDA. The loader logs them rather than refusing, as it does
+    for the KV sizing flags the nxd backend has no use for."""
+    if on_cpu:
+        return []
+    defaults = CpuOptions()
+    return [f.name for f in fields(CpuOptions) if getattr(config.cpu, f.name) != getattr(defaults, f.name)]
+
+
 def default_chunked_budget(config: EngineConfig) -> int:
     """The chunked-mode step budget when none is given: smaller where the torch backend runs on a CPU."""
     return DEFAULT_CPU_CHUNKED_BATCHED_TOKENS if torch_on_cpu(config) else DEFAULT_CHUNKED_BATCHED_TOKENS
@@ -142,6 +153,10 @@ def build_engine_core(config: EngineConfig, with_metrics: bool = True) -> tuple[
 
     files = load_model_files(config)
     on_cpu = torch_on_cpu(config)
+    unused = unused_cpu_switches(config, on_cpu)
+    if unused:
+        logger.warning("CPU options %s have no effect: they configure the torch backend's CPU kernels, and this "
+                       "engine does not run on the CPU", ", ".join(unused))  # fmt: skip
     budget = DEFAULT_CPU_CHUNKED_BATCHED_TOKENS if on_cpu else DEFAULT_CHUNKED_BATCHED_TOKENS
     config.resolve(max_positions(files.hf_config), chunked_token_budget=budget, on_cpu=on_cpu)
     size_kv_cache(config, files)

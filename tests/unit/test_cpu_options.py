@@ -57,3 +57,12 @@ def test_the_wait_policy_is_set_unless_the_user_chose_one(monkeypatch: pytest.Mo
     monkeypatch.delenv("GOMP_SPINCOUNT")
     set_openmp_wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_cpu_options_off_the_cpu_are_named_as_unused() -> None:
+    from nxdserve.engine.loader import unused_cpu_switches
+
+    changed = EngineConfig(cpu=CpuOptions(isa="generic", fused_quant_decode=False, quant_dense_rows=4))
+    assert unused_cpu_switches(changed, on_cpu=True) == []
+    assert unused_cpu_switches(changed, on_cpu=False) == ["isa", "fused_quant_decode", "quant_dense_rows"]
+    assert unused_cpu_switches(EngineConfig(), on_cpu=False) == []
