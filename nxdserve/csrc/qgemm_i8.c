@@ -31,13 +31,6 @@ static inline void qi8_scales(float amax, float* d, float* inv) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline float qi8_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline void qi8_quantize_block(const float* x, int8_t* q, float* d, float* ds) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 v[4], m = _mm256_setzero_ps();
@@ -110,7 +103,7 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
         else QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b + 1, acc)                                                  \
     }                                                                                                           \
     if (b < nb) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b, acc)                                                   \
-    for (int m = 0; m < MT; m++) dot[m] = qi8_hsum(MT <= 4 ? _mm256_add_ps(acc[m], odd[m]) : acc[m]) + so[m];   \
+    for (int m = 0; m < MT; m++) dot[m] = q_hsum(MT <= 4 ? _mm256_add_ps(acc[m], odd[m]) : acc[m]) + so[m];   \
 }
 DEFINE_QI8_ROW_AVX2(qi8_q4_row, QI8_LOAD_Q4, qi8_dot_q4, 16, 1)
 DEFINE_QI8_ROW_AVX2(qi8_q8_row, QI8_LOAD_Q8, qi8_dot_q8, 32, 0)
