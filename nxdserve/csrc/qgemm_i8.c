@@ -56,10 +56,12 @@ static inline void qi8_quantize_block(const float* x, int8_t* q, float* d, float
     _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-/* A q4 block's 32 codes as bytes in element order (low nibbles = elements 0-15, high = 16-31). */
+/* A q4 block's 32 codes as bytes in element order (low nibbles = elements 0-15, high = 16-31): the 16 bytes
+   loaded into both halves, the upper half shifted by a nibble, both masked (no shuffle uop). */
 static inline __m256i qi8_q4_codes(const uint8_t* p) {
-    const __m128i mask = _mm_set1_epi8(0x0F), bytes = _mm_loadu_si128((const __m128i*)p);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                            _mm256_set1_epi8(0x0F));
 }
 
 /* Eight int32 partial sums of codes . q: unsigned codes against signed q pairwise into int16 (at most
@@ -74,19 +76,38 @@ static inline __m256i qi8_dot_q8(__m256i w, __m256i q) {
 #define QI8_LOAD_Q4(p) qi8_q4_codes(p)
 #define QI8_LOAD_Q8(p) _mm256_loadu_si256((const __m256i*)(p))
 
+/* For n blocks of one x row: cs[b] = wscale[b] * xd[b] and, where woff is given, the offset term
+   sum_b woff[b] * xds[b], eight blocks a vector (per block in the loop, a scalar product, a broadcast and a
+   scalar FMA took ~a fifth of a one-row block's uops). */
+static inline float qi8_block_scales(const float* wscale, const float* woff, const float* xd, const float* xds,
+                                     int64_t n, float* cs) {
+    __m256 ov = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= n; b += 8) {
+        _mm256_storeu_ps(cs + b, _mm256_mul_ps(_mm256_loadu_ps(wscale + b), _mm256_loadu_ps(xd + b)));
+        if (woff) ov = _mm256_fmadd_ps(_mm256_loadu_ps(woff + b), _mm256_loadu_ps(xds + b), ov);
+    }
+    float so = q_hsum(ov);
+    for (; b < n; b++) {
+        cs[b] = wscale[b] * xd[b];
+        if (woff) so += woff[b] * xds[b];
+    }
+    return so;
+}
+
 /* dot[m] (m < MT) = sum_b wscale[b] * xd[m][b] * (codes_b . q[m]_b) [+ woff[b] * xds[m][b] where OFF] for one
    weight row; MT and OFF constants after inlining (qi8_rows), so the accumulators stay in registers. x rows at
-   xq + m * K, xd + m * nb. Blocks go in pairs; up to 4 rows the odd blocks get their own accumulators, so at one
-   row consecutive FMAs do not wait on each other's latency; above 4 rows there are enough independent chains.
-   q4's offset term is a scalar FMA per block in the same loop (a separate pass cost more at K = 576). */
-#define QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b, ACC)                                                         \
+   xq + m * K, xd + m * nb. The blocks go in chunks of QI8_CHUNK whose per-(row, block) scale products are made
+   first, eight at a time (qi8_block_scales); within a chunk blocks go in pairs, and up to 4 rows the odd blocks
+   get their own accumulators, so at one row consecutive FMAs do not wait on each other's latency. */
+#define QI8_CHUNK 64
+#define QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b, ACC)                                                              \
     {                                                                                                           \
         const __m256i w = LOAD(wr + (b) * (BYTES));                                                             \
         for (int m = 0; m < MT; m++) {                                                                          \
             const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + (m * nb + (b)) * QI8_B));                \
-            const __m256 s = _mm256_set1_ps(wscale[b] * xd[m * nb + (b)]);                                      \
-            ACC[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(w, q)), s, ACC[m]);                                 \
-            if (OFF) so[m] += woff[b] * xds[m * nb + (b)];                                                      \
+            ACC[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(w, q)), _mm256_broadcast_ss(&cs[m][(b) - c0]),     \
+                                     ACC[m]);                                                                   \
         }                                                                                                       \
     }
 #define DEFINE_QI8_ROW_AVX2(NAME, LOAD, DOT, BYTES, OFF)                                                     \
@@ -94,15 +115,21 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
                                                        const float* woff, const int8_t* xq, const float* xd,   \
                                                        const float* xds, int64_t nb, int MT, float* dot) {      \
     __m256 acc[QI8_T], odd[QI8_T];                                                                              \
-    float so[QI8_T];                                                                                            \
+    float so[QI8_T], cs[QI8_T][QI8_CHUNK];                                                                      \
     for (int m = 0; m < MT; m++) { acc[m] = odd[m] = _mm256_setzero_ps(); so[m] = 0.f; }                         \
-    int64_t b = 0;                                                                                              \
-    for (; b + 1 < nb; b += 2) {                                                                                \
-        QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b, acc)                                                           \
-        if (MT <= 4) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b + 1, odd)                                          \
-        else QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b + 1, acc)                                                  \
+    for (int64_t c0 = 0; c0 < nb; c0 += QI8_CHUNK) {                                                            \
+        const int64_t cn = nb - c0 < QI8_CHUNK ? nb - c0 : QI8_CHUNK, end = c0 + cn;                            \
+        for (int m = 0; m < MT; m++)                                                                            \
+            so[m] += qi8_block_scales(wscale + c0, OFF ? woff + c0 : NULL, xd + m * nb + c0, xds + m * nb + c0, \
+                                      cn, cs[m]);                                                               \
+        int64_t b = c0;                                                                                         \
+        for (; b + 1 < end; b += 2) {                                                                           \
+            QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b, acc)                                                            \
+            if (MT <= 4) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b + 1, odd)                                           \
+            else QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b + 1, acc)                                                   \
+        }                                                                                                       \
+        if (b < end) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b, acc)                                                   \
     }                                                                                                           \
-    if (b < nb) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, OFF, b, acc)                                                   \
     for (int m = 0; m < MT; m++) dot[m] = q_hsum(MT <= 4 ? _mm256_add_ps(acc[m], odd[m]) : acc[m]) + so[m];   \
 }
 DEFINE_QI8_ROW_AVX2(qi8_q4_row, QI8_LOAD_Q4, qi8_dot_q4, 16, 1)
