@@ -9,6 +9,7 @@ With ``--control`` tree A also runs a second time in each round (A'), and A'/A p
 B/A is judged against: on a shared 2-core VM a single process can run 30% slower than the next.
 
     .venv/bin/python benchmarks/ab_trees.py --tree-a /path/to/old/checkout --tree-b . [--rounds 3] [--control]
+        [--dtype auto] [--cpu-quant-int8-activations]
 """
 
 from __future__ import annotations
@@ -50,8 +51,13 @@ async def run(engine, prompts, max_tokens):
     return tokens / (time.perf_counter() - t0), sum(ttfts) / len(ttfts)
 
 async def main():
-    # Dense fp32 in every tree: the default model is served from its 4-bit blocks by default since 2026-12-02.
-    async with AsyncEngine(EngineConfig(max_num_seqs=32, dtype="float32")) as engine:
+    # Dense fp32 by default (--dtype): the default model is served from its 4-bit blocks by default since
+    # 2026-12-02, which trees before that cannot do.
+    extra = {}
+    if INT8_ACTIVATIONS:
+        from nxdserve.cpu_options import CpuOptions
+        extra["cpu"] = CpuOptions(quant_int8_activations=True)
+    async with AsyncEngine(EngineConfig(max_num_seqs=32, dtype=DTYPE, **extra)) as engine:
         await run(engine, [" ".join(WORDS[:8])] * 4, 8)  # warm-up
         burst = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(52)) for i in range(32)]
         a_tps, a_ttft = await run(engine, burst, 64)
@@ -65,9 +71,10 @@ asyncio.run(main())
 """
 
 
-def run_tree(tree: Path) -> dict[str, float]:
+def run_tree(tree: Path, dtype: str = "float32", int8_activations: bool = False) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", _WORKLOAD], cwd=tree, env=env, capture_output=True, text=True,
+    workload = f"DTYPE = {dtype!r}\nINT8_ACTIVATIONS = {int8_activations!r}\n" + _WORKLOAD
+    proc = subprocess.run([sys.executable, "-c", workload], cwd=tree, env=env, capture_output=True, text=True,
                           timeout=1800, check=True)  # fmt: skip
     result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
@@ -79,6 +86,10 @@ def main() -> None:
     parser.add_argument("--tree-b", default=".", help="the changed checkout")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--control", action="store_true", help="run tree A twice a round (A' / A: the noise)")
+    parser.add_argument("--dtype", default="float32", help="EngineConfig.dtype in both trees (auto: the default, "
+                        "which serves the default model from its 4-bit blocks on CPUs without native bf16)")
+    parser.add_argument("--cpu-quant-int8-activations", action="store_true",
+                        help="CpuOptions.quant_int8_activations in both trees (trees from 2026-12-02 on)")
     parser.add_argument("--out", default="bench-results/ab_trees.json")
     args = parser.parse_args()
     trees = {"A": Path(args.tree_a).resolve(), "B": Path(args.tree_b).resolve()}
@@ -86,7 +97,7 @@ def main() -> None:
     rounds = []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]  # each tree in each place in turn
-        got = {name: run_tree(trees[name[0]]) for name in order}
+        got = {name: run_tree(trees[name[0]], args.dtype, args.cpu_quant_int8_activations) for name in order}
         rounds.append(got)
         figures = [f"{n}: a {g['a_tok_s']:.1f} tok/s, TTFT {g['a_mean_ttft_ms']:.0f} ms, b {g['b_tok_s']:.1f} tok/s, "
                    f"forward {g['forward_s']:.1f} s" for n, g in ((n, got[n]) for n in names)]
@@ -102,8 +113,9 @@ def main() -> None:
         cells = [f"{s[key]['median']:.3f} ({s[key]['min']:.2f}-{s[key]['max']:.2f})" for s in summary.values()]
         print(f"{key:>16} | " + " | ".join(cells))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "rounds": rounds,
-                                          "ratios": summary}, indent=2))  # fmt: skip
+    config = {"dtype": args.dtype, "cpu_quant_int8_activations": args.cpu_quant_int8_activations}
+    Path(args.out).write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "config": config,
+                                          "rounds": rounds, "ratios": summary}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":
