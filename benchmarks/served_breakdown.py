@@ -9,8 +9,8 @@ the wall time per token, the median gap between chunks and the client's own CPU 
     python -m nxdserve.cli --port 8000 &
     python benchmarks/served_breakdown.py --pid $! --port 8000 --requests 4 --json /tmp/breakdown.json
 
-Reading it: the engine's worker thread (``nxdserve-model``) holds the forward's first intra-op thread; its
-OpenMP helpers show as further threads; the event loop is the process's main thread (same id as the pid).
+Reading it: the event loop is the process's main thread (same id as the pid, printed as ``loop``); the
+engine's worker thread (the forward's OpenMP master) and the OpenMP helpers are the rows with the most CPU.
 """
 
 from __future__ import annotations
