@@ -114,7 +114,11 @@ class AsyncEngine:
         self.generation_defaults: dict[str, float | int] = {}
         self._last_log = time.monotonic()
         self._last_log_tokens = (0, 0)
+        # The loop's wait for the next forward to enter the model's compute: the worker thread sets the flag,
+        # then wakes the loop only if it finds a waiter (the loop sets the waiter, then reads the flag; the GIL
+        # orders the four), so a step launched with nobody waiting costs no cross-thread wake-up.
         self._forward_started: asyncio.Future[None] | None = None
+        self._forward_has_started = False
         self._forward: asyncio.Future[Any] | None = None  # the last forward started in the worker thread
         self.chat_template: str | None = None  # --chat-template's text; None: the tokenizer's own
         self._lora_loads: set[asyncio.Task[None]] = set()  # requests waiting for their adapter's weights
@@ -144,7 +148,7 @@ class AsyncEngine:
         for lora_request in self.config.lora_modules:  # --lora-modules
             await self.add_lora(lora_request)
         self._accepting = True
-        core.backend.forward_started = lambda: loop.call_soon_threadsafe(self._mark_forward_started)
+        core.backend.forward_started = lambda: self._on_forward_started(loop)
         self._loop_task = asyncio.create_task(self._run_loop(), name="nxdserve-engine-loop")
         logger.info(
             "engine ready: backend=%s mode=%s max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
@@ -433,7 +437,7 @@ class AsyncEngine:
             value = error = None
             if isinstance(op, RunInWorker):
                 if op.forward:
-                    self._forward_started = loop.create_future()
+                    self._forward_started, self._forward_has_started = None, False
                 value = loop.run_in_executor(self._executor, op.fn, *op.args)
                 if op.forward:
                     self._forward = value
@@ -445,19 +449,28 @@ class AsyncEngine:
             elif isinstance(op, AwaitForwardStarted):
                 await self._until_forward_started(op.handle)
 
-    def _mark_forward_started(self) -> None:
-        started = self._forward_started
-        if started is not None and not started.done():
-            started.set_result(None)
+    def _on_forward_started(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The backend's forward_started, in the worker thread."""
+        self._forward_has_started = True
+        waiter = self._forward_started
+        if waiter is not None:
+            loop.call_soon_threadsafe(self._mark_forward_started, waiter)
+
+    def _mark_forward_started(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
 
     async def _until_forward_started(self, forward: asyncio.Future[Any]) -> None:
         """Wait, idle (the GIL free), until the worker thread has set up the step and entered the model's
         compute (or the step ended: a backend need not say). Measured served (medians): with this thread's
         output processing and stream writes running from the launch on, the worker took 0.54 ms to start the
         step and 0.68 ms to set it up; with this wait, 0.07 and 0.53 ms."""
-        started = self._forward_started
-        if started is not None and not started.done():
-            await asyncio.wait((started, forward), return_when=asyncio.FIRST_COMPLETED)
+        if self._forward_has_started:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._forward_started = waiter
+        if not self._forward_has_started:
+            await asyncio.wait((waiter, forward), return_when=asyncio.FIRST_COMPLETED)
 
     async def _run_loop(self) -> None:
         core = self._core
@@ -475,12 +488,15 @@ class AsyncEngine:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                     continue
-                # Step n's outputs come back with step n + 1 already computing (see EngineCore.complete).
-                outputs, step = await self._drive(core.complete(step, overlap=True))
+                # Step n's outputs come back with step n + 1 already computing (see EngineCore.complete),
+                # unless that forward would take every core: then they are made, delivered and sent first.
+                overlap = not core.backend.forward_fills_host_cpus()
+                outputs, step = await self._drive(core.complete(step, overlap=overlap))
                 self._deliver(outputs)
                 self._maybe_log(core)
                 if step is None:
-                    await asyncio.sleep(0)  # let the handlers run before the loop idles
+                    # The handlers run (frames, socket writes) before the next launch or before the loop idles.
+                    await asyncio.sleep(0)
         except BaseException as error:
             forward = self._forward
             if forward is not None and not forward.done():  # let a forward in flight finish before failing

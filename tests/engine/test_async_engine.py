@@ -26,7 +26,18 @@ def _greedy(max_tokens: int, kind: OutputKind = OutputKind.DELTA) -> SamplingPar
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
 
 
-async def test_stream_deltas_add_up_to_the_final_output(engine: AsyncEngine) -> None:
+def _pin_handoff(engine: AsyncEngine, overlap: bool) -> None:
+    """Pin how the loop hands a step's outputs over, whatever this machine's cores: with ``overlap`` they are
+    made and delivered while the next forward computes; without, before the next step is launched (what the
+    loop does when a CPU forward's threads fill every core)."""
+    core = engine.core
+    assert core is not None
+    core.backend.forward_fills_host_cpus = lambda: not overlap  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+async def test_stream_deltas_add_up_to_the_final_output(engine: AsyncEngine, overlap: bool) -> None:
+    _pin_handoff(engine, overlap)
     text, tokens, finals = "", [], []
     async for out in engine.generate("The capital of France is", _greedy(12)):
         text += out.outputs[0].text
@@ -39,7 +50,9 @@ async def test_stream_deltas_add_up_to_the_final_output(engine: AsyncEngine) -> 
     assert final_only.metrics.first_token_time is not None and final_only.metrics.finished_time is not None
 
 
-async def test_breaking_out_of_the_iterator_aborts_and_frees_the_slot(engine: AsyncEngine) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+async def test_breaking_out_of_the_iterator_aborts_and_frees_the_slot(engine: AsyncEngine, overlap: bool) -> None:
+    _pin_handoff(engine, overlap)
     seen = 0
     async for _ in engine.generate("Tell me a long story.", _greedy(200)):
         seen += 1
@@ -133,6 +146,7 @@ async def test_backend_failure_finishes_requests_with_error_then_engine_dies() -
 async def test_next_forward_starts_before_the_previous_steps_outputs_are_delivered(engine: AsyncEngine) -> None:
     """Handlers' streaming work for step n runs during step n + 1's forward, not between forwards: the loop
     schedules and submits step n + 1 (both on the event loop's thread) before it delivers step n."""
+    _pin_handoff(engine, overlap=True)
     core = engine.core
     assert core is not None
     events: list[str] = []
@@ -160,6 +174,7 @@ async def test_step_outputs_wait_until_the_next_forward_has_set_up(engine: Async
     """The loop holds its output processing back until the worker thread has set up step n + 1 and entered
     the model (``Backend.forward_started``), so that the two threads do not take turns on the GIL; so every
     output but the last is delivered after the next forward started."""
+    _pin_handoff(engine, overlap=True)
     core = engine.core
     assert core is not None and core.backend.reports_forward_start
     starts: list[float] = []
@@ -177,6 +192,84 @@ async def test_step_outputs_wait_until_the_next_forward_has_set_up(engine: Async
     assert seen[-1][0] == 6
     for num_tokens, num_started in seen[:-1]:  # token k comes from forward k; forward k + 1 had begun
         assert num_started >= num_tokens + 1, seen
+
+
+async def test_serial_handoff_sends_each_step_before_the_next_is_scheduled(engine: AsyncEngine) -> None:
+    """When the forward's threads fill every core, the loop's per-token work (outputs, the consumer's frames
+    and socket writes) runs between forwards instead of preempting one: step n's output reaches its consumer
+    before step n + 1 is scheduled, and no step wakes the loop when its forward starts (nobody waits)."""
+    _pin_handoff(engine, overlap=False)
+    core = engine.core
+    assert core is not None
+    events: list[str] = []
+    schedule, deliver = core.schedule, engine._deliver
+    wakes = 0
+
+    def traced_schedule() -> object:
+        sched = schedule()
+        if not sched.is_empty:
+            events.append("schedule")
+        return sched
+
+    def traced_deliver(outputs: list) -> None:  # type: ignore[type-arg]
+        events.append("deliver")
+        deliver(outputs)
+
+    def counted_wake(waiter: asyncio.Future[None]) -> None:
+        nonlocal wakes
+        wakes += 1
+
+    core.schedule = traced_schedule  # type: ignore[method-assign]
+    engine._deliver = traced_deliver  # type: ignore[method-assign]
+    engine._mark_forward_started = counted_wake  # type: ignore[method-assign]
+    tokens: list[int] = []
+    async for out in engine.generate("Count to ten:", _greedy(6)):
+        tokens += out.outputs[0].token_ids
+        events.append("received")
+    assert len(tokens) == 6
+    assert events == ["schedule", "deliver", "received"] * 6, events
+    assert wakes == 0
+
+
+async def test_serial_handoff_matches_overlap_token_for_token(engine: AsyncEngine) -> None:
+    """The handoff changes when outputs are made, never what they are: two concurrent streams, a stop string
+    and a logprobs request give the same text, tokens and finish either way."""
+
+    async def run() -> list[tuple[str, list[int], str | None]]:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2, output_kind=OutputKind.DELTA),
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["."], output_kind=OutputKind.DELTA),
+        ]
+        prompts = ["The capital of France is", "Write a poem about the sea"]
+        streams = [_collect(engine.generate(p, sp)) for p, sp in zip(prompts, params, strict=True)]
+        results = await asyncio.gather(*streams)
+        return [
+            ("".join(o.outputs[0].text for o in outs), [t for o in outs for t in o.outputs[0].token_ids],
+             outs[-1].outputs[0].finish_reason)
+            for outs in results
+        ]
+
+    _pin_handoff(engine, overlap=True)
+    overlapped = await run()
+    _pin_handoff(engine, overlap=False)
+    serial = await run()
+    assert serial == overlapped
+    assert len(serial[0][1]) == 10 and serial[0][2] == "length"
+
+
+async def test_the_forward_fills_the_host_cpus_only_on_every_thread() -> None:
+    """The torch backend on CPU says its forward fills the host's CPUs when it runs as many threads as the
+    process may use, not when the thread governor dropped it to one thread."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        pytest.skip("needs two CPUs")
+    config = EngineConfig(dtype="float32", backend="torch", max_model_len=64, max_num_seqs=1, num_threads=cpus)
+    async with AsyncEngine(config) as eng:
+        backend = eng.core.backend  # type: ignore[union-attr]
+        governor = backend.thread_governor  # type: ignore[attr-defined]
+        assert governor.active and backend.forward_fills_host_cpus()
+        governor.threads = 1
+        assert not backend.forward_fills_host_cpus()
 
 
 async def test_shutdown_leaves_no_threads() -> None:
@@ -219,6 +312,7 @@ async def _phase_order(engine: AsyncEngine, params: SamplingParams, prompt: str)
 
 
 async def test_the_next_step_is_scheduled_before_detokenizing_unless_a_stop_string_may_end(engine: AsyncEngine) -> None:
+    _pin_handoff(engine, overlap=True)
     calls, text = await _phase_order(engine, _greedy(8), "The capital of France is")
     after_update = [calls[i + 1] for i, c in enumerate(calls[:-1]) if c == "update"]
     # Without stop strings, the next step is scheduled (and launched) before this step's outputs are made.

@@ -105,3 +105,9 @@ class Backend(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release device resources."""
+
+    def forward_fills_host_cpus(self) -> bool:
+        """Whether the next step's forward runs a thread on every CPU this process may use (a CPU forward on
+        all intra-op threads). Then whatever the event loop does while a forward runs preempts one of its
+        threads, and the others wait for it at the next barrier; a device backend computes elsewhere."""
+        return False

@@ -207,6 +207,14 @@ class TorchBackend(Backend):
         self.thread_binding.enabled = True
         self.thread_binding.apply(torch.get_num_threads())
 
+    def forward_fills_host_cpus(self) -> bool:
+        if self.device.type != "cpu":
+            return False
+        governor = self.thread_governor
+        threads = governor.threads if governor.active else self._max_threads
+        cpus = self.thread_binding.cpus  # the CPUs this process may use (none known: not Linux)
+        return bool(cpus) and threads >= len(cpus)
+
     # -- one step ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
