@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from nxdserve.engine.models import gptq, quant
+from nxdserve.engine.models import gptq, imatrix, quant
 from nxdserve.engine.models.perplexity import (
     FORMATS,
     _dense_default_model,
@@ -34,7 +34,9 @@ from nxdserve.engine.models.perplexity import (
 )
 from nxdserve.model_files import resolve_model
 
-EXTRA = ("int4-g64-plain", "int4-g128-plain", "int4-g64-gptq", "int4-g128-gptq")
+EXTRA = (
+    "int4-g64-plain", "int4-g128-plain", "int4-g64-imatrix", "int4-g128-imatrix", "int4-g64-gptq", "int4-g128-gptq",
+)  # fmt: skip
 
 
 def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
@@ -43,6 +45,8 @@ def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
     model = copy.deepcopy(_dense_default_model(torch.float32))
     if fmt.endswith("-gptq"):
         gptq.quantize_model_gptq(model, group, resolve_model(None))
+    elif fmt.endswith("-imatrix"):
+        imatrix.quantize_model_imatrix(model, group, resolve_model(None))
     else:
         model.quantize_linears(lambda name, w: None if name == "lm_head" else quant.quantize_int4(w, group))
     return next_token_logits(model, ids)
