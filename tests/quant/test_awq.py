@@ -109,6 +109,8 @@ def test_lora_served_models_are_not_scaled() -> None:
         torch.testing.assert_close(m.norm.weight, final, rtol=0, atol=0)
     logits = next_token_logits(served, IDS)
     assert torch.isfinite(logits).all()
+    # The folded norms are ordinary fp32 norm weights: the fused quantized decode takes the scaled model.
+    assert served.fused_quant_decode.supported_model and served.fused_quant_decode._weights_supported()
 
 
 def test_group_32_is_not_scaled() -> None:
