@@ -6,8 +6,9 @@ activations), computes the logits over the shipped sample ``benchmarks/data/ppl_
 and reports its perplexity, the change against the bf16 model's (the issue's reference) and the fp32 model's,
 and the teacher-forced greedy (top-1) agreement with each. Prints a table and writes JSON.
 
-Besides the served formats, ``EXTRA`` builds the 4-bit groups 64 / 128 two other ways for comparison in the same
-run: ``-plain``, the calibration-free search those methods used before (``quant.quantize_int4``), and ``-gptq``
+Besides the served formats, ``EXTRA`` builds the 4-bit groups 64 / 128 three other ways for comparison in the
+same run: ``-plain``, the calibration-free search (``quant.quantize_int4``), ``-imatrix``, the activation-weighted
+search without ``awq.py``'s scales (what ``int4-g128`` served before them; ``int4-g64`` serves it), and ``-gptq``
 (``gptq.py``: measured worse, not served).
 
     PYTHONPATH=$PWD python benchmarks/quant_accuracy.py [--formats bf16 fp32 int8 ... int4-g64-plain] [--json f]

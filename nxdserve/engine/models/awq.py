@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 ALPHAS = tuple(a / 10 for a in range(11))  # 0: no scaling
 # The groups served scaled. Measured on the default model (a Q4_1 file: 4-bit per 32 already), group 128
-# +17.5% -> +13.3% perplexity against the weighted search alone, but group 64 +11.3% -> +12.4..12.7% (the
-# weighted search with refined grids: +11.0%), so group 64 keeps the weighted search (docs/quantization.md).
+# +17.5% -> +13.3% perplexity against the weighted search alone, but group 64 +11.3% -> +11.7..12.7% in three
+# variants, so group 64 keeps the weighted search alone (docs/quantization.md, "Accuracy").
 SCALED_GROUPS = (128,)
 _LINEARS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 

@@ -234,7 +234,8 @@ INT4_STEP_DELTAS = tuple(d / 5 for d in range(-5, 6))
 # group 64 on the default model (a finer -3..3 grid in steps of 0.1: the same 11.2%).
 IMATRIX_STEP_DELTAS = tuple(d / 5 for d in range(-10, 11))
 # 4-bit groups over 32 calibrate at load (imatrix.py): the plain search measured +20% / +70% perplexity at 64 / 128
-# on the default model, the activation-weighted one +11% / +18% (docs/quantization.md, "Accuracy").
+# on the default model, the activation-weighted one +11% / +18%, with awq.py's input scales at 128 +13%
+# (docs/quantization.md, "Accuracy").
 CALIBRATED_GROUPS = (64, 128)
 # True: ``--quantization fp8`` makes NxD's own codes (per_channel_symmetric: one absmax scale per row, no search),
 # for comparing the torch backend with the nxd one weight for weight (tests).
@@ -429,14 +430,15 @@ METHODS: dict[str, tuple[str, int]] = {
     "rtn-int8": ("int8", 0),  # vLLM's "rtn" (round-to-nearest) with RTN_NUM_BITS=8
     "int4": ("int4", 32),  # group 32: the one 4-bit group within 10% perplexity on the default model
     "rtn": ("int4", 128),  # vLLM's "rtn" default: 4 bits, group 128, plain round-to-nearest (no scale search)
-    # groups 64 / 128: the activation-weighted search, calibrated at load (CALIBRATED_GROUPS, imatrix.py)
+    # groups 64 / 128: the activation-weighted search calibrated at load (CALIBRATED_GROUPS, imatrix.py), group 128
+    # with activation-aware input scales (awq.py)
     **{f"int4-g{g}": ("int4", g) for g in INT4_GROUPS},
 }
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
     """One weight in ``method``'s format, without calibration: for groups in ``CALIBRATED_GROUPS`` this is the
-    plain search; ``quantize_model`` serves those with the calibrated one (``imatrix.py``)."""
+    plain search; ``quantize_model`` serves those with the calibrated one (``imatrix.py``, ``awq.py``)."""
     kind, group = METHODS[method]
     if kind == "int8":
         return quantize_int8(weight)
