@@ -6,8 +6,9 @@ activations), computes the logits over the shipped sample ``benchmarks/data/ppl_
 and reports its perplexity, the change against the bf16 model's (the issue's reference) and the fp32 model's,
 and the teacher-forced greedy (top-1) agreement with each. Prints a table and writes JSON.
 
-Besides the served formats, ``EXTRA`` builds the 4-bit groups 64 / 128 two other ways for comparison in the same
-run: ``-plain``, the calibration-free search those methods used before (``quant.quantize_int4``), and ``-gptq``
+Besides the served formats, ``EXTRA`` builds the 4-bit groups 64 / 128 three other ways for comparison in the
+same run: ``-plain``, the calibration-free search (``quant.quantize_int4``), ``-imatrix``, the activation-weighted
+search without ``awq.py``'s scales (what ``int4-g128`` served before them; ``int4-g64`` serves it), and ``-gptq``
 (``gptq.py``: measured worse, not served).
 
     PYTHONPATH=$PWD python benchmarks/quant_accuracy.py [--formats bf16 fp32 int8 ... int4-g64-plain] [--json f]
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from nxdserve.engine.models import gptq, quant
+from nxdserve.engine.models import gptq, imatrix, quant
 from nxdserve.engine.models.perplexity import (
     FORMATS,
     _dense_default_model,
@@ -34,7 +35,9 @@ from nxdserve.engine.models.perplexity import (
 )
 from nxdserve.model_files import resolve_model
 
-EXTRA = ("int4-g64-plain", "int4-g128-plain", "int4-g64-gptq", "int4-g128-gptq")
+EXTRA = (
+    "int4-g64-plain", "int4-g128-plain", "int4-g64-imatrix", "int4-g128-imatrix", "int4-g64-gptq", "int4-g128-gptq",
+)  # fmt: skip
 
 
 def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
@@ -43,6 +46,8 @@ def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
     model = copy.deepcopy(_dense_default_model(torch.float32))
     if fmt.endswith("-gptq"):
         gptq.quantize_model_gptq(model, group, resolve_model(None))
+    elif fmt.endswith("-imatrix"):
+        imatrix.quantize_model_imatrix(model, group, resolve_model(None))
     else:
         model.quantize_linears(lambda name, w: None if name == "lm_head" else quant.quantize_int4(w, group))
     return next_token_logits(model, ids)

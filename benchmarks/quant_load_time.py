@@ -4,8 +4,10 @@ For each quantizer (``int4`` searched at groups 32/64/128, ``fp8`` searched per 
 round-to-nearest 4-bit (``rtn``'s rule at group 32), absmax fp8 per 32 columns, int8), quantizes every decoder
 linear of the dense fp32 default model (the LM head stays dense, as ``quantize_model`` does) on each kernel path
 (``--paths``: the C search, ``csrc/qsearch.c``, and ``none``: the torch search), the paths interleaved per
-repeat so a loaded machine hits both alike. Prints the median seconds and the ratio to the plain method of the
-same format on the same path, and writes JSON.
+repeat so a loaded machine hits both alike. ``CALIBRATED`` times the whole-model quantizers of groups 64 / 128
+(``--quantizers int4-g64-imatrix int4-g64-awq ...``: the calibration prefill included; the activation-weighted
+search alone and with ``awq.py``'s scales) against the plain search at that group. Prints the median seconds and
+the ratio to the plain method of the same format on the same path, and writes JSON.
 
     PYTHONPATH=$PWD python benchmarks/quant_load_time.py [--repeats 3] [--paths avx2 none] [--json out.json]
 """
@@ -18,12 +20,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import cpu_setup, quant
+from nxdserve.engine.models import awq, cpu_setup, imatrix, quant
 from nxdserve.engine.models.perplexity import _dense_default_model
+from nxdserve.model_files import resolve_model
 
 QUANTIZERS: dict[str, tuple[str, Callable[[torch.Tensor], quant.QuantLinear]]] = {
     # name -> (the plain method it is compared with, the quantizer)
@@ -35,12 +39,25 @@ QUANTIZERS: dict[str, tuple[str, Callable[[torch.Tensor], quant.QuantLinear]]] =
     "fp8": ("fp8-absmax", lambda w: quant.quantize_fp8(w)),
     "int8": ("int8", quant.quantize_int8),
 }
+# Whole-model quantizers (calibrated at load: the calibration prefill is included), against the plain search.
+CALIBRATED: dict[str, tuple[str, Callable[[Any], None]]] = {
+    f"int4-g{g}-{how}": (f"int4-g{g}", make)
+    for g in quant.CALIBRATED_GROUPS
+    for how, make in (
+        ("imatrix", lambda model, g=g: imatrix.quantize_model_imatrix(model, g, resolve_model(None))),
+        ("awq", lambda model, g=g: awq.quantize_model_awq(model, g, resolve_model(None))),
+    )
+}
 
 
-def time_quantizer(make: Callable[[torch.Tensor], quant.QuantLinear]) -> float:
+def time_quantizer(name: str) -> float:
     model = copy.deepcopy(_dense_default_model(torch.float32))
     start = time.perf_counter()
-    model.quantize_linears(lambda name, weight: None if name == "lm_head" else make(weight))
+    if name in CALIBRATED:
+        CALIBRATED[name][1](model)
+    else:
+        make = QUANTIZERS[name][1]
+        model.quantize_linears(lambda layer, weight: None if layer == "lm_head" else make(weight))
     return time.perf_counter() - start
 
 
@@ -48,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paths", nargs="+", default=["avx2", "none"])
-    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=[*QUANTIZERS, *CALIBRATED])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     _dense_default_model(torch.float32)  # loaded once, outside the timings
@@ -57,7 +74,7 @@ def main() -> None:
         for path in args.paths:
             cpu_setup.apply(CpuOptions(isa=path))
             for name in args.quantizers:
-                seconds.setdefault((path, name), []).append(time_quantizer(QUANTIZERS[name][1]))
+                seconds.setdefault((path, name), []).append(time_quantizer(name))
     cpu_setup.apply(CpuOptions())
     rows = []
     print(f"default model, decoder linears, median of {args.repeats}, threads {torch.get_num_threads()}")
@@ -65,7 +82,7 @@ def main() -> None:
     for path in args.paths:
         for name in args.quantizers:
             median = statistics.median(seconds[(path, name)])
-            plain = QUANTIZERS[name][0]
+            plain = (QUANTIZERS | CALIBRATED)[name][0]
             ratio = median / statistics.median(seconds[(path, plain)]) if (path, plain) in seconds else float("nan")
             rows.append({"path": path, "quantizer": name, "seconds": median, "vs_plain": ratio,
                          "all_seconds": seconds[(path, name)]})  # fmt: skip

@@ -91,13 +91,14 @@ def test_int8_within_one_percent_of_bf16_perplexity(sample: tuple[list[int], tor
 def test_each_format_within_its_perplexity_bound(sample: tuple[list[int], torch.Tensor]) -> None:
     """fp8 within 1% of the bf16 model's perplexity (per-row scales measured 1.9%), the 4-bit default (group 32)
     within 10%, the file's own GGUF blocks within 1% (they are the weights the dense model expands). Groups of 64
-    and 128 (the activation-weighted search, calibrated at load) are over the issue's 10% on this Q4_1 model
-    (docs/quantization.md says why): bounded at their measured +11.3% / +18.0% plus noise, far under the plain
-    search's +20% / +70%; at group 128 both beat plain round-to-nearest (``rtn``)."""
+    and 128 (the activation-weighted search, calibrated at load; group 128 with awq.py's activation-aware scales)
+    are over the issue's 10% on this Q4_1 model (docs/quantization.md says why): bounded at their measured +11.3% /
+    +13.3% plus noise, far under the plain search's +20% / +70%; at group 128 both beat plain round-to-nearest
+    (``rtn``)."""
     ids, reference = sample
     ref = perplexity(reference, ids)
     formats = ("fp8", "int4", "gguf", "int4-g64", "int4-g128", "rtn")
     ppl = {fmt: perplexity(format_logits(fmt, ids), ids) for fmt in formats}
-    for fmt, bound in (("fp8", 0.01), ("int4", 0.10), ("gguf", 0.01), ("int4-g64", 0.125), ("int4-g128", 0.195)):
+    for fmt, bound in (("fp8", 0.01), ("int4", 0.10), ("gguf", 0.01), ("int4-g64", 0.125), ("int4-g128", 0.145)):
         assert abs(ppl[fmt] / ref - 1) < bound, (fmt, ppl[fmt], ref)
     assert ppl["int4-g128"] < ppl["rtn"]

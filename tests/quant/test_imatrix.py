@@ -59,7 +59,8 @@ def test_int4_groups_over_32_calibrate_at_load() -> None:
     assert all(isinstance(getattr(layer, a), torch.nn.Parameter) for layer in model.layers for a in model.QUANTIZABLE)
     dense = {a: getattr(model.layers[0], a).detach().clone() for a in model.QUANTIZABLE}
     hidden_before = model.layers[0].qkv_weight.shape
-    quant.quantize_model(model, "int4-g64", checkpoint=path)
+    # lora=True: the weighted search alone, on the unscaled weights (awq.py's scales: tests/quant/test_awq.py).
+    quant.quantize_model(model, "int4-g64", checkpoint=path, lora=True)
     for attr in model.QUANTIZABLE:
         q = getattr(model.layers[0], attr)
         assert type(q) is quant.QuantLinear and q.kind == "int4" and q.group == 64

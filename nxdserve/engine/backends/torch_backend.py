@@ -168,7 +168,9 @@ class TorchBackend(Backend):
         from nxdserve.engine.models.quant import quantize_model
 
         try:
-            quantize_model(self.model, chosen.quantization, _gguf_file(config), checkpoint=model_path)
+            quantize_model(
+                self.model, chosen.quantization, _gguf_file(config), checkpoint=model_path, lora=config.enable_lora
+            )
         except ConfigError as exc:
             if not chosen.by_default:
                 raise

@@ -20,6 +20,10 @@ from nxdserve.engine.models import gptq, quant
 logger = logging.getLogger(__name__)
 
 FLOOR = 1e-3  # importance floor, times the linear's mean: channels the calibration never drives still count
+# Rounds of re-rounding and refitting each group's searched grid (quant.refine_int4). 4 rounds measured on the
+# default model +11.26% -> +11.04% perplexity at group 64 (+17.52% -> +17.20% at 128), within the sample's noise,
+# for several times the load time in torch: off.
+REFINE = 0
 
 
 def activation_importance(model: Any, tokenizer_path: Path | str | None) -> dict[str, torch.Tensor]:
@@ -29,17 +33,20 @@ def activation_importance(model: Any, tokenizer_path: Path | str | None) -> dict
     return {name: h.diagonal() / tokens for name, (h, tokens) in hessians.items()}
 
 
+def weighted_int4(weight: torch.Tensor, group: int, mean_square: torch.Tensor) -> quant.QuantLinear:
+    """``weight``'s 4-bit groups searched with each column's squared error weighted by ``mean_square`` (K,), its
+    input channel's over the calibration (floored at ``FLOOR`` times the mean), the grids refined."""
+    imp = mean_square.float().clamp_min(FLOOR * float(mean_square.float().mean()))
+    return quant.quantize_int4(weight, group, importance=imp, deltas=quant.IMATRIX_STEP_DELTAS, refine=REFINE)
+
+
 def quantize_model_imatrix(model: Any, group: int, tokenizer_path: Path | str | None) -> None:
     """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group`` with the
     activation-weighted search (candidates ``quant.IMATRIX_STEP_DELTAS``); the LM head stays dense."""
     importance = activation_importance(model, tokenizer_path)
 
     def make(name: str, weight: torch.Tensor) -> quant.QuantLinear | None:
-        if name == "lm_head":
-            return None
-        imp = importance[name].float()
-        imp = imp.clamp_min(FLOOR * float(imp.mean()))
-        return quant.quantize_int4(weight, group, importance=imp, deltas=quant.IMATRIX_STEP_DELTAS)
+        return None if name == "lm_head" else weighted_int4(weight, group, importance[name])
 
     model.quantize_linears(make)
     logger.info("imatrix: the decoder's linears at group %d, weighted by the calibration's activations", group)

@@ -234,7 +234,8 @@ INT4_STEP_DELTAS = tuple(d / 5 for d in range(-5, 6))
 # group 64 on the default model (a finer -3..3 grid in steps of 0.1: the same 11.2%).
 IMATRIX_STEP_DELTAS = tuple(d / 5 for d in range(-10, 11))
 # 4-bit groups over 32 calibrate at load (imatrix.py): the plain search measured +20% / +70% perplexity at 64 / 128
-# on the default model, the activation-weighted one +11% / +18% (docs/quantization.md, "Accuracy").
+# on the default model, the activation-weighted one +11% / +18%, with awq.py's input scales at 128 +13%
+# (docs/quantization.md, "Accuracy").
 CALIBRATED_GROUPS = (64, 128)
 # True: ``--quantization fp8`` makes NxD's own codes (per_channel_symmetric: one absmax scale per row, no search),
 # for comparing the torch backend with the nxd one weight for weight (tests).
@@ -285,6 +286,7 @@ def quantize_int4(
     search: bool = True,
     importance: torch.Tensor | None = None,
     deltas: tuple[float, ...] = INT4_STEP_DELTAS,
+    refine: int = 0,
 ) -> QuantLinear:
     """Asymmetric 4-bit per group of ``group`` input columns: ``w ~ q * scale + offset``, q in 0..15.
 
@@ -300,8 +302,39 @@ def quantize_int4(
     g = F.pad(w, (0, padded - k)).view(n, padded // group, group)
     imp = None if importance is None else F.pad(importance.float(), (0, padded - k), value=1.0)
     scale, offset = int4_group_scales(g, search, imp, deltas)
+    if refine:
+        scale, offset = refine_int4(g, scale, offset, imp, refine)
     q = int4_codes(g, scale, offset).view(n, padded)
     return int4_from_codes(q, scale.squeeze(2), offset.squeeze(2), group, k)
+
+
+def refine_int4(
+    g: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, importance: torch.Tensor | None, rounds: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``rounds`` alternations of rounding to the grid and refitting it by (weighted) least squares, from the
+    searched (scale, offset) (rows, groups, 1) of the groups ``g``; each group keeps the best grid met."""
+    size = g.shape[2]
+    a = torch.ones(size) if importance is None else importance.view(-1, size)  # (groups, size)
+    sum_a = a.sum(-1, keepdim=True)
+
+    def error(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return (a * (int4_codes(g, s, m) * s + m - g).square()).sum(2, keepdim=True)
+
+    best_err = error(scale, offset)
+    s, m = scale, offset
+    for _ in range(rounds):
+        q = int4_codes(g, s, m).float()
+        sum_q, sum_qq = (a * q).sum(2, keepdim=True), (a * q * q).sum(2, keepdim=True)
+        sum_x, sum_qx = (a * g).sum(2, keepdim=True), (a * q * g).sum(2, keepdim=True)
+        det = sum_a * sum_qq - sum_q * sum_q
+        fitted = (sum_a * sum_qx - sum_q * sum_x) / det.clamp_min(1e-30)
+        s = torch.where((det > 0) & (fitted > 0), fitted, s)
+        m = (sum_x - s * sum_q) / sum_a
+        err = error(s, m)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        scale, offset = torch.where(better, s, scale), torch.where(better, m, offset)
+    return scale, offset
 
 
 def int4_group_scales(
@@ -397,14 +430,15 @@ METHODS: dict[str, tuple[str, int]] = {
     "rtn-int8": ("int8", 0),  # vLLM's "rtn" (round-to-nearest) with RTN_NUM_BITS=8
     "int4": ("int4", 32),  # group 32: the one 4-bit group within 10% perplexity on the default model
     "rtn": ("int4", 128),  # vLLM's "rtn" default: 4 bits, group 128, plain round-to-nearest (no scale search)
-    # groups 64 / 128: the activation-weighted search, calibrated at load (CALIBRATED_GROUPS, imatrix.py)
+    # groups 64 / 128: the activation-weighted search calibrated at load (CALIBRATED_GROUPS, imatrix.py), group 128
+    # with activation-aware input scales (awq.py)
     **{f"int4-g{g}": ("int4", g) for g in INT4_GROUPS},
 }
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
     """One weight in ``method``'s format, without calibration: for groups in ``CALIBRATED_GROUPS`` this is the
-    plain search; ``quantize_model`` serves those with the calibrated one (``imatrix.py``)."""
+    plain search; ``quantize_model`` serves those with the calibrated one (``imatrix.py``, ``awq.py``)."""
     kind, group = METHODS[method]
     if kind == "int8":
         return quantize_int8(weight)
@@ -413,10 +447,13 @@ def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
     return quantize_int4(weight, group, search=method != "rtn")
 
 
-def quantize_model(model: Any, method: str, gguf_path: Path | None = None, checkpoint: Path | None = None) -> None:
+def quantize_model(
+    model: Any, method: str, gguf_path: Path | None = None, checkpoint: Path | None = None, lora: bool = False
+) -> None:
     """Apply ``--quantization method`` to a loaded ``LlamaFamilyModel``: quantize its dense linears (a name in
-    ``METHODS``; 4-bit groups over 32 calibrated on a text tokenized with ``checkpoint``'s tokenizer), or put a
-    file's own codes in their place: ``gguf`` (the .gguf file's blocks) or ``compressed-tensors`` (the
+    ``METHODS``; 4-bit groups over 32 calibrated on a text tokenized with ``checkpoint``'s tokenizer: ``awq.py``'s
+    activation-aware scales, folded into the norms, unless ``lora``: adapters read the linears' original inputs),
+    or put a file's own codes in their place: ``gguf`` (the .gguf file's blocks) or ``compressed-tensors`` (the
     ``checkpoint`` folder's, ``compressed_tensors.py``)."""
     if method == "compressed-tensors":
         from nxdserve.engine.models.compressed_tensors import CompressedCheckpoint
@@ -433,9 +470,10 @@ def quantize_model(model: Any, method: str, gguf_path: Path | None = None, check
             raise ConfigError(f"--quantization {method!r}: expected one of {', '.join(METHODS)} or gguf.")
         kind, group = METHODS[method]
         if kind == "int4" and group in CALIBRATED_GROUPS and method != "rtn":
-            from nxdserve.engine.models.imatrix import quantize_model_imatrix
+            from nxdserve.engine.models.awq import SCALED_GROUPS, quantize_model_awq
 
-            quantize_model_imatrix(model, group, checkpoint)  # the LM head stays dense, as below
+            # The LM head stays dense, as below.
+            quantize_model_awq(model, group, checkpoint, scale=group in SCALED_GROUPS and not lora)
             return
         # The LM head stays dense: on the default model quantizing the tied head too cost int8 1.6% and fp8 3%
         # perplexity (over the 1% bound; perf_notes.md), as in vLLM, whose online methods leave it dense.
