@@ -20,10 +20,9 @@ from nxdserve.engine.models import gptq, quant
 logger = logging.getLogger(__name__)
 
 FLOOR = 1e-3  # importance floor, times the linear's mean: channels the calibration never drives still count
-# Rounds of re-rounding and refitting each group's searched grid (quant.refine_int4). 4 rounds measured on the
-# default model +11.26% -> +11.04% perplexity at group 64 (+17.52% -> +17.20% at 128), within the sample's noise,
-# for several times the load time in torch: off.
-REFINE = 0
+# Not done: re-rounding and refitting each group's searched grid by weighted least squares (4 rounds) measured
+# +11.26% -> +11.04% perplexity at group 64 (+17.52% -> +17.20% at 128), within the sample's noise, for several
+# times the load time (perf_notes.md, issue 29 item 5).
 
 
 def activation_importance(model: Any, tokenizer_path: Path | str | None) -> dict[str, torch.Tensor]:
@@ -35,9 +34,9 @@ def activation_importance(model: Any, tokenizer_path: Path | str | None) -> dict
 
 def weighted_int4(weight: torch.Tensor, group: int, mean_square: torch.Tensor) -> quant.QuantLinear:
     """``weight``'s 4-bit groups searched with each column's squared error weighted by ``mean_square`` (K,), its
-    input channel's over the calibration (floored at ``FLOOR`` times the mean), the grids refined."""
+    input channel's over the calibration (floored at ``FLOOR`` times the mean)."""
     imp = mean_square.float().clamp_min(FLOOR * float(mean_square.float().mean()))
-    return quant.quantize_int4(weight, group, importance=imp, deltas=quant.IMATRIX_STEP_DELTAS, refine=REFINE)
+    return quant.quantize_int4(weight, group, importance=imp, deltas=quant.IMATRIX_STEP_DELTAS)
 
 
 def quantize_model_imatrix(model: Any, group: int, tokenizer_path: Path | str | None) -> None:

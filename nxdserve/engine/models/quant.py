@@ -286,7 +286,6 @@ def quantize_int4(
     search: bool = True,
     importance: torch.Tensor | None = None,
     deltas: tuple[float, ...] = INT4_STEP_DELTAS,
-    refine: int = 0,
 ) -> QuantLinear:
     """Asymmetric 4-bit per group of ``group`` input columns: ``w ~ q * scale + offset``, q in 0..15.
 
@@ -302,39 +301,8 @@ def quantize_int4(
     g = F.pad(w, (0, padded - k)).view(n, padded // group, group)
     imp = None if importance is None else F.pad(importance.float(), (0, padded - k), value=1.0)
     scale, offset = int4_group_scales(g, search, imp, deltas)
-    if refine:
-        scale, offset = refine_int4(g, scale, offset, imp, refine)
     q = int4_codes(g, scale, offset).view(n, padded)
     return int4_from_codes(q, scale.squeeze(2), offset.squeeze(2), group, k)
-
-
-def refine_int4(
-    g: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, importance: torch.Tensor | None, rounds: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``rounds`` alternations of rounding to the grid and refitting it by (weighted) least squares, from the
-    searched (scale, offset) (rows, groups, 1) of the groups ``g``; each group keeps the best grid met."""
-    size = g.shape[2]
-    a = torch.ones(size) if importance is None else importance.view(-1, size)  # (groups, size)
-    sum_a = a.sum(-1, keepdim=True)
-
-    def error(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return (a * (int4_codes(g, s, m) * s + m - g).square()).sum(2, keepdim=True)
-
-    best_err = error(scale, offset)
-    s, m = scale, offset
-    for _ in range(rounds):
-        q = int4_codes(g, s, m).float()
-        sum_q, sum_qq = (a * q).sum(2, keepdim=True), (a * q * q).sum(2, keepdim=True)
-        sum_x, sum_qx = (a * g).sum(2, keepdim=True), (a * q * g).sum(2, keepdim=True)
-        det = sum_a * sum_qq - sum_q * sum_q
-        fitted = (sum_a * sum_qx - sum_q * sum_x) / det.clamp_min(1e-30)
-        s = torch.where((det > 0) & (fitted > 0), fitted, s)
-        m = (sum_x - s * sum_q) / sum_a
-        err = error(s, m)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        scale, offset = torch.where(better, s, scale), torch.where(better, m, offset)
-    return scale, offset
 
 
 def int4_group_scales(
