@@ -35,6 +35,29 @@ def _pin_handoff(engine: AsyncEngine, overlap: bool) -> None:
     core.backend.forward_fills_host_cpus = lambda: not overlap  # type: ignore[method-assign]
 
 
+def _trace_schedule_and_deliver(engine: AsyncEngine) -> list[str]:
+    """Record "schedule" for each non-empty step scheduled and "deliver" for each step's outputs delivered, in
+    order, into the returned list."""
+    core = engine.core
+    assert core is not None
+    events: list[str] = []
+    schedule, deliver = core.schedule, engine._deliver
+
+    def traced_schedule() -> object:
+        sched = schedule()
+        if not sched.is_empty:
+            events.append("schedule")
+        return sched
+
+    def traced_deliver(outputs: list) -> None:  # type: ignore[type-arg]
+        events.append("deliver")
+        deliver(outputs)
+
+    core.schedule = traced_schedule  # type: ignore[method-assign]
+    engine._deliver = traced_deliver  # type: ignore[method-assign]
+    return events
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 async def test_stream_deltas_add_up_to_the_final_output(engine: AsyncEngine, overlap: bool) -> None:
     _pin_handoff(engine, overlap)
@@ -147,23 +170,7 @@ async def test_next_forward_starts_before_the_previous_steps_outputs_are_deliver
     """Handlers' streaming work for step n runs during step n + 1's forward, not between forwards: the loop
     schedules and submits step n + 1 (both on the event loop's thread) before it delivers step n."""
     _pin_handoff(engine, overlap=True)
-    core = engine.core
-    assert core is not None
-    events: list[str] = []
-    schedule, deliver = core.schedule, engine._deliver
-
-    def traced_schedule() -> object:
-        sched = schedule()
-        if not sched.is_empty:
-            events.append("schedule")
-        return sched
-
-    def traced_deliver(outputs: list) -> None:  # type: ignore[type-arg]
-        events.append("deliver")
-        deliver(outputs)
-
-    core.schedule = traced_schedule  # type: ignore[method-assign]
-    engine._deliver = traced_deliver  # type: ignore[method-assign]
+    events = _trace_schedule_and_deliver(engine)
     outs = [o async for o in engine.generate("Count to ten:", _greedy(6))]
     assert sum(len(o.outputs[0].token_ids) for o in outs) == 6
     # One prefill step and five decode steps: each delivery but the last follows the next step's schedule.
@@ -199,28 +206,13 @@ async def test_serial_handoff_sends_each_step_before_the_next_is_scheduled(engin
     and socket writes) runs between forwards instead of preempting one: step n's output reaches its consumer
     before step n + 1 is scheduled, and no step wakes the loop when its forward starts (nobody waits)."""
     _pin_handoff(engine, overlap=False)
-    core = engine.core
-    assert core is not None
-    events: list[str] = []
-    schedule, deliver = core.schedule, engine._deliver
+    events = _trace_schedule_and_deliver(engine)
     wakes = 0
-
-    def traced_schedule() -> object:
-        sched = schedule()
-        if not sched.is_empty:
-            events.append("schedule")
-        return sched
-
-    def traced_deliver(outputs: list) -> None:  # type: ignore[type-arg]
-        events.append("deliver")
-        deliver(outputs)
 
     def counted_wake(waiter: asyncio.Future[None]) -> None:
         nonlocal wakes
         wakes += 1
 
-    core.schedule = traced_schedule  # type: ignore[method-assign]
-    engine._deliver = traced_deliver  # type: ignore[method-assign]
     engine._mark_forward_started = counted_wake  # type: ignore[method-assign]
     tokens: list[int] = []
     async for out in engine.generate("Count to ten:", _greedy(6)):
