@@ -163,20 +163,18 @@ def scale_and_quantize_layer(
     return out
 
 
-def quantize_model_awq(model: Any, group: int, tokenizer_path: Path | str | None, scale: bool = True) -> None:
+def quantize_model_awq(model: Any, group: int, tokenizer_path: Path | str | None) -> None:
     """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group``: per layer the
-    activation-aware scales (``scale``; folded into the norms and producers as the module doc says) and the
-    activation-weighted search; without ``scale`` (or for layers that cannot fold) the search alone (imatrix).
-    The LM head stays dense."""
+    activation-aware scales (folded into the norms and producers as the module doc says) and the
+    activation-weighted search; layers that cannot fold get the search alone (imatrix). The LM head stays dense."""
     hessians = gptq.calibration_hessians(model, tokenizer_path)
     codes: dict[str, quant.QuantLinear] = {}
     scaled = 0
-    if scale:
-        for i, layer in enumerate(model.layers):
-            if _scalable(layer):
-                layer_codes = scale_and_quantize_layer(layer, hessians, f"layers.{i}.", group)
-                codes.update({f"layers.{i}.{attr}": q for attr, q in layer_codes.items()})
-                scaled += 1
+    for i, layer in enumerate(model.layers):
+        if _scalable(layer):
+            layer_codes = scale_and_quantize_layer(layer, hessians, f"layers.{i}.", group)
+            codes.update({f"layers.{i}.{attr}": q for attr, q in layer_codes.items()})
+            scaled += 1
 
     def make(name: str, weight: torch.Tensor) -> quant.QuantLinear | None:
         if name == "lm_head":

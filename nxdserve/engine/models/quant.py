@@ -439,9 +439,13 @@ def quantize_model(
         kind, group = METHODS[method]
         if kind == "int4" and group in CALIBRATED_GROUPS and method != "rtn":
             from nxdserve.engine.models.awq import SCALED_GROUPS, quantize_model_awq
+            from nxdserve.engine.models.imatrix import quantize_model_imatrix
 
             # The LM head stays dense, as below.
-            quantize_model_awq(model, group, checkpoint, scale=group in SCALED_GROUPS and not lora)
+            if group in SCALED_GROUPS and not lora:
+                quantize_model_awq(model, group, checkpoint)
+            else:
+                quantize_model_imatrix(model, group, checkpoint)
             return
         # The LM head stays dense: on the default model quantizing the tied head too cost int8 1.6% and fp8 3%
         # perplexity (over the 1% bound; perf_notes.md), as in vLLM, whose online methods leave it dense.
