@@ -175,6 +175,29 @@ def test_accepts_falls_back_where_it_does_not_apply() -> None:
     assert not dense.fused_quant_decode.accepts(torch.tensor([1]), _meta(dense, [0], [3], [1]), cache)
 
 
+def test_a_weight_swapped_after_a_fused_step_reaches_the_next_one() -> None:
+    model = _model("llama", "int4-g32")
+    cache = model.new_kv_cache(1, MAX_LEN)  # the same cache throughout: only the weights' key can rebuild the table
+    token = torch.tensor([7])
+    saved = fused_qdecode.enabled
+    with single_torch_thread(), torch.inference_mode():
+        try:
+            fused_qdecode.enabled = True
+            assert model.fused_quant_decode.accepts(token, _meta(model, [0], [0], [1]), cache)
+            before = model(token, _meta(model, [0], [0], [1]), cache).clone()  # builds the C layer table
+            layer = model.layers[0]
+            doubled = quant.quantize(layer.down_weight.dequantize() * 2, "int4-g32")
+            del layer.down_weight
+            layer.down_weight = doubled
+            fused = model(token, _meta(model, [0], [0], [1]), cache).clone()
+            fused_qdecode.enabled = False
+            layered = model(token, _meta(model, [0], [0], [1]), cache)
+        finally:
+            fused_qdecode.enabled = saved
+    _assert_same((fused,), (layered,))
+    assert not torch.allclose(fused, before)
+
+
 def test_switch_flag_reaches_the_cpu_options() -> None:
     from nxdserve.cli import build_parser, engine_config_from_args
 
