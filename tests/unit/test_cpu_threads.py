@@ -21,16 +21,12 @@ class Fake:
         self.now = 0.0
         self.idle = 0
         self.total = 0
-        self.steal = 0
 
     def clock(self) -> float:
         return self.now
 
     def read(self) -> tuple[int, int]:
         return self.idle, self.total
-
-    def read_steal(self) -> int:
-        return self.steal
 
     def advance(self, seconds: float, idle_cores: float, num_cpus: int = 2) -> None:
         self.now += seconds
@@ -40,7 +36,7 @@ class Fake:
 
 
 def governor(fake: Fake) -> ThreadGovernor:
-    gov = ThreadGovernor(2, clock=fake.clock, idle_reader=fake.read, steal_reader=fake.read_steal, jiffies_per_s=100)
+    gov = ThreadGovernor(2, clock=fake.clock, idle_reader=fake.read)
     gov._num_cpus = 2
     return gov
 
@@ -87,28 +83,6 @@ def test_failed_probes_back_off() -> None:
             gov.record(0.1, 0.01)  # the probe fails at once
         assert gov.threads == 1
     assert waits[-1] > waits[0]
-
-
-def test_slow_steps_the_hypervisor_explains_do_not_count() -> None:
-    fake = Fake()
-    gov = governor(fake)
-    gov.record(0.015, 0.015)  # a good step reads the steal mark
-    for _ in range(3 * gov.bad_steps_to_switch):
-        fake.steal += 6  # 60 ms of steal over a step that waited 70 ms: the host's, not another process's
-        gov.record(0.100, 0.030)
-    assert gov.threads == 2
-    for _ in range(gov.bad_steps_to_switch):
-        fake.steal += 2  # 20 ms of 70: less than half explained, so the waits count
-        gov.record(0.100, 0.030)
-    assert gov.threads == 1
-
-    # Steal piled up while on one thread does not excuse the slow steps after going back to all threads.
-    fake.steal += 500
-    while gov.step_threads() == 1:
-        fake.advance(0.5, idle_cores=1.0)
-    for _ in range(gov.bad_steps_to_switch):
-        gov.record(0.100, 0.030)
-    assert gov.threads == 1
 
 
 def test_short_steps_and_single_thread_configs_are_ignored() -> None:

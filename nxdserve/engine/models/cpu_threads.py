@@ -10,10 +10,6 @@ the governor watches each step:
 - with all threads, the calling thread does its share and then sleeps (passive wait) until the others
   finish; if it spent most of a step waiting (its CPU time < ``min_efficiency`` of the step's wall
   time) in ``bad_steps_to_switch`` (4) steps running, another process has a core: drop to one thread;
-- a slow step during which the hypervisor ran something else on our virtual CPUs (the machine's steal time
-  covers at least half of the calling thread's wait) is not counted: measured on a 2-core VM, single-stream
-  steps of 13-15 ms took 35-100 ms in bursts with 30-120 ms of steal, and one thread does not help there;
-  counting them made the governor flap between one and two threads for minutes while serving one stream;
 - with one thread, look at the machine's idle time (``/proc/stat``) every ``probe_interval`` seconds
   (after a back-off that doubles, up to ``max_backoff``, while probes keep failing): when about a core
   has been idle, go back to all threads.
@@ -30,9 +26,8 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 
-def _proc_stat_cpu() -> list[int] | None:
-    """The aggregate "cpu" line of /proc/stat (user, nice, system, idle, iowait, irq, softirq, steal, ...) in
-    jiffies since boot; None where it is unavailable."""
+def _cpu_idle_jiffies() -> tuple[int, int] | None:
+    """(idle + iowait, total) jiffies of all CPUs since boot; None where /proc/stat is unavailable."""
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()
@@ -40,24 +35,8 @@ def _proc_stat_cpu() -> list[int] | None:
         return None
     if len(fields) < 5 or fields[0] != b"cpu":
         return None
-    return [int(v) for v in fields[1:9]]
-
-
-def _cpu_idle_jiffies() -> tuple[int, int] | None:
-    """(idle + iowait, total) jiffies of all CPUs since boot; None where /proc/stat is unavailable."""
-    values = _proc_stat_cpu()
-    if values is None:
-        return None
+    values = [int(v) for v in fields[1:9]]
     return values[3] + (values[4] if len(values) > 4 else 0), sum(values)
-
-
-def _cpu_steal_jiffies() -> int | None:
-    """Steal jiffies of all CPUs since boot: time the hypervisor ran something else on our virtual CPUs."""
-    values = _proc_stat_cpu()
-    return values[7] if values is not None and len(values) > 7 else None
-
-
-STEAL_REFRESH_S = 0.25
 
 
 class ThreadGovernor:
@@ -73,8 +52,6 @@ class ThreadGovernor:
         max_backoff_s: float = 16.0,
         clock: Callable[[], float] = time.monotonic,
         idle_reader: Callable[[], tuple[int, int] | None] = _cpu_idle_jiffies,
-        steal_reader: Callable[[], int | None] = _cpu_steal_jiffies,
-        jiffies_per_s: float = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0,
     ) -> None:
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
@@ -89,12 +66,6 @@ class ThreadGovernor:
         self.max_backoff_s = max_backoff_s
         self._clock = clock
         self._read_idle = idle_reader
-        self._read_steal = steal_reader
-        self._jiffies_per_s = jiffies_per_s
-        # The machine's steal jiffies when last read (~31 us a read of /proc/stat on a 2-core VM, so not every
-        # step: after each bad step, and after a good one once the last read is older than STEAL_REFRESH_S).
-        self._steal_mark: int | None = None
-        self._steal_mark_time = -float("inf")
         self._num_cpus = os.cpu_count() or 1
         self._bad_steps = 0
         self._backoff_s = probe_interval_s
@@ -125,8 +96,6 @@ class ThreadGovernor:
         if self.threads == 1 or wall_s < self.min_wall_s:
             return
         if thread_cpu_s < self.min_efficiency * wall_s:
-            if self._stolen_since_mark() >= 0.5 * (wall_s - thread_cpu_s):
-                return  # the host's doing, not another process's: neither bad nor good
             self._bad_steps += 1
             if self._bad_steps >= self.bad_steps_to_switch:
                 now = self._clock()
@@ -136,18 +105,6 @@ class ThreadGovernor:
                 self._switch(1, now)
         else:
             self._bad_steps = 0
-            if self._clock() - self._steal_mark_time >= STEAL_REFRESH_S:
-                self._stolen_since_mark()
-
-    def _stolen_since_mark(self) -> float:
-        """CPU seconds the hypervisor took from this machine since the last read (0 where unknown); reads anew.
-        The first bad step after good ones looks back up to STEAL_REFRESH_S before it; the next ones at
-        themselves alone."""
-        start, end = self._steal_mark, self._read_steal()
-        self._steal_mark, self._steal_mark_time = end, self._clock()
-        if start is None or end is None:
-            return 0.0
-        return (end - start) / self._jiffies_per_s
 
     def _switch(self, threads: int, now: float) -> None:
         logger.info(
@@ -155,8 +112,6 @@ class ThreadGovernor:
             "another process holds a core" if threads == 1 else "a core is idle again",
         )  # fmt: skip
         self.threads = threads
-        if threads > 1:  # steal while on one thread must not excuse the first slow steps on all of them
-            self._stolen_since_mark()
         self._mode_since = now
         self._bad_steps = 0
         self._idle_mark = None
