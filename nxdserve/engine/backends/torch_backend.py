@@ -265,11 +265,8 @@ class TorchBackend(Backend):
         sampled_positions = torch.from_numpy(verify_index[verify_valid])
         # Only the sampled positions' states are read back, unless a drafter wants every token's, a row wants
         # prompt logprobs, or alternatives ride along: then the forward need not finish the others.
-        only_sampled = (
-            alts is None
-            and not self.keep_hidden_states
-            and not (batch.num_prompt_logprobs[rows.slots] >= 0).any()
-        )
+        wants_prompt_logprobs = bool((batch.num_prompt_logprobs[rows.slots] >= 0).any())
+        only_sampled = alts is None and not self.keep_hidden_states and not wants_prompt_logprobs
         hidden = self.runner.run(
             token_ids, rows.slots, rows.starts, rows.lens, batched_query_limit=limit,
             alts=None if alts is None else alts.forward, keep=sampled_positions if only_sampled else None,
@@ -295,7 +292,7 @@ class TorchBackend(Backend):
             hidden = hidden[:num_rows_tokens]
             both = self.runner.logits(torch.cat((sampled_hidden, alt_hidden)))
             logits, alt_logits = both[: sampled_hidden.shape[0]], both[sampled_hidden.shape[0] :]
-        prompt_logprobs = self._prompt_logprobs(batch, hidden, rows)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if wants_prompt_logprobs else {}
 
         t2 = time.perf_counter()
         if governor.active:
