@@ -206,7 +206,9 @@ def test_bf16_fused_forward_runs_image_rows_with_their_rotary_rows(monkeypatch: 
 
     def counting_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal calls_with_images
-        calls_with_images += (len(args) > 4 and args[4] is not None) or kwargs.get("cos_sin") is not None
+        # run(x, meta, kv_cache, keep, on_compute, cos_sin): the M-RoPE rows come as the sixth argument
+        cos_sin = kwargs.get("cos_sin", args[5] if len(args) > 5 else None)
+        calls_with_images += cos_sin is not None
         return real_run(self, *args, **kwargs)
 
     monkeypatch.setattr(fused_decode.FusedDecode, "run", counting_run)

@@ -102,7 +102,9 @@ def test_fp8_reads_are_the_same_however_the_tokens_are_batched(dtype: torch.dtyp
     parts.append(split.run(toks[21:39], np.array([2]), np.array([21]), np.array([18])))
     last = split.run(torch.tensor([7, int(toks[39])]), np.array([0, 2]), np.array([6, 39]), np.array([1, 1]))
     got = torch.cat((*parts, last[1:]))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # bf16: a K/V element an ulp apart (rounded by another batch shape) can land on the other side of an fp8
+    # rounding boundary, a step of 1/8 of its value; seen as up to 0.027 in 3 of 2560 outputs (AMX GEMMs).
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
     assert torch.equal(split.kv_cache.data[:, :, 2, :, :40], whole.kv_cache.data[:, :, 2, :, :40]) or (
         dtype == torch.bfloat16  # bf16 rounding of the K/V themselves may differ by batch shape

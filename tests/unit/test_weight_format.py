@@ -94,7 +94,7 @@ def test_a_gguf_whose_linears_are_not_served_quantized_falls_back_to_dense(
 ) -> None:
     """By default a file whose linears are in a type the blocks path does not take (here: the reader's own error
     for Q6_K) is served dense, with the reason logged; asked for with --quantization gguf, it is the error."""
-    from nxdserve.engine.backends import torch_backend
+    from nxdserve.engine.backends import torch_backend, weight_format
     from nxdserve.engine.models import gguf_weights
     from nxdserve.errors import ConfigError
     from tests.helpers.tiny_model import tiny_model_path
@@ -103,6 +103,8 @@ def test_a_gguf_whose_linears_are_not_served_quantized_falls_back_to_dense(
         raise ConfigError("--quantization gguf: blk.0.ffn_down.weight is Q6_K; served quantized: Q4_0, Q4_1, Q4_K")
 
     monkeypatch.setattr(torch_backend, "_gguf_file", lambda config: Path("/m/tiny.Q4_K_M.gguf"))
+    # The blocks are the default on every CPU here (on AVX512-BF16 / AMX the default is otherwise dense bf16).
+    monkeypatch.setattr(weight_format, "FUSED_BF16_PATHS", ())
     monkeypatch.setattr(gguf_weights, "load_quantized_linears", unserved)
     settings = {"model": str(tiny_model_path("llama")), "max_model_len": 64, "max_num_seqs": 2}
     with caplog.at_level(logging.INFO, logger="nxdserve.engine.backends.torch_backend"):
