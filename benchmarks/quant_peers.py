@@ -174,6 +174,10 @@ NXD_FORMATS: dict[str, list[str]] = {
     "fp8": ["--quantization", "fp8"],
     "int4": ["--quantization", "int4"],  # group 32 (quant.METHODS)
     "gguf": ["--quantization", "gguf"],  # the default GGUF's own Q4_1 blocks
+    # the same blocks with fp32 activations where the default dtype would be bf16 (AVX512-BF16 / AMX CPUs): the
+    # fused quantized decoder runs fp32 models only
+    "gguf-fp32": ["--quantization", "gguf", "--dtype", "float32"],
+    "gguf-fp32-i8": ["--quantization", "gguf", "--dtype", "float32", "--cpu-quant-int8-activations"],
     "default": [],
     # opt-in: the small-row kernels round the activations to int8 (results change: docs/quantization.md)
     "default-i8": ["--cpu-quant-int8-activations"],
