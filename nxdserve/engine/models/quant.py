@@ -145,7 +145,7 @@ class QuantLinear:
         if large or _kernels_on() or self.kind in ("fp8", "q8_0"):
             from nxdserve.engine.models.linear import linear
 
-            return linear(x, self._cached(("dense", x.dtype), lambda: self.dequantize(x.dtype)))
+            return linear(x, self.dense_copy(x.dtype))
         act = kernel_dtype or x.dtype
         xb = x.to(act).contiguous()
         if self.kind == "int8":
@@ -166,6 +166,17 @@ class QuantLinear:
             if out.shape[1] != self.out_features:  # rows padded to the layout's multiple of 16
                 out = out[:, : self.out_features].contiguous()
         return out.to(x.dtype)
+
+    def dense_copy(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense copy that calls above ``dense_rows`` rows multiply by, expanded once per dtype and kept (the
+        fused bf16 forward reads it for such steps too: fused_decode.py). Made outside inference mode, so that the
+        packed GEMM copies kept on it (gemm.kept) can key on its version counter, which inference tensors lack."""
+
+        def make() -> torch.Tensor:
+            with torch.inference_mode(False):
+                return self.dequantize(dtype)
+
+        return self._cached(("dense", dtype), make)
 
     def codes(self) -> torch.Tensor:
         """int4: the codes (N, K_padded) as int32 in 0..15."""
