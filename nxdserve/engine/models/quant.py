@@ -152,10 +152,10 @@ class QuantLinear:
             scales = self._cached(("scales", act), lambda: self.scales.to(act).contiguous())
             # K padded to a multiple of 16 with zero codes: PyTorch 2.13's AVX512 bf16 kernel of this op reads
             # past a K that is not one and crashed the process (SIGSEGV on a Xeon with AMX, 3+ rows).
-            padded = -(-self.in_features // 16) * 16
-            if padded != self.in_features:
-                xb = F.pad(xb, (0, padded - self.in_features))
-            codes = self._cached("int8pad", lambda: F.pad(self.data, (0, padded - self.in_features)).contiguous())
+            codes, pad = self.data, -self.in_features % 16
+            if pad:
+                xb = F.pad(xb, (0, pad))
+                codes = self._cached("int8pad", lambda: F.pad(self.data, (0, pad)).contiguous())
             out = torch.ops.aten._weight_int8pack_mm(xb, codes, scales)
         else:
             padded = -(-self.in_features // self.group) * self.group
