@@ -92,8 +92,56 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
     if (b < nb) ROW_BLOCK_AVX2(WIDEN, BYTES, b, acc)                                                           \
     for (int m = 0; m < MT; m++) out[m] = q_hsum(MT <= 2 ? _mm256_add_ps(acc[m], odd[m]) : acc[m]);            \
 }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The AVX512 builds (avx512bf16 and its AMX code): a block's 32 codes are two 16-float vectors, so a block is half
+   the AVX2 path's instructions (one widening load per 16 codes, one multiply and one FMA per row). The sums are
+   ordered differently from the AVX2 build's: the two agree to fp32 rounding, not bit for bit. On a 2-core Xeon
+   with AMX, the default model's linears at one row, hot: 0.90x the AVX2 rows' time (head 1.07 vs 1.23 ms). */
+static inline void q4_widen16(const uint8_t* p, __m512 q[2]) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+static inline void q8_widen16(const uint8_t* p, __m512 q[2]) {
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+}
+#define ROW_BLOCK_AVX512(WIDEN, BYTES, b, ACC)                                                                \
+    {                                                                                                          \
+        __m512 q[2];                                                                                           \
+        WIDEN(wr + (b) * (BYTES), q);                                                                          \
+        const float* xb = x + (b) * QB;                                                                        \
+        const __m512 s = _mm512_set1_ps(block_scale[b]);                                                       \
+        for (int m = 0; m < MT; m++) {                                                                         \
+            const float* xm = xb + m * xs;                                                                     \
+            const __m512 d = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xm + 16),                                   \
+                                             _mm512_mul_ps(q[0], _mm512_loadu_ps(xm)));                        \
+            ACC[m] = _mm512_fmadd_ps(d, s, ACC[m]);                                                            \
+        }                                                                                                      \
+    }
+#define DEFINE_ROW_AVX512(NAME, WIDEN, BYTES)                                                              \
+static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
+                                                       const float* x, int64_t xs, int64_t nb, int MT,         \
+                                                       float* out) {                                           \
+    __m512 acc[QT], odd[2];                                                                                    \
+    for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();                                                 \
+    odd[0] = odd[1] = _mm512_setzero_ps();                                                                     \
+    int64_t b = 0;                                                                                             \
+    for (; b + 1 < nb; b += 2) {                                                                               \
+        ROW_BLOCK_AVX512(WIDEN, BYTES, b, acc)                                                                 \
+        if (MT <= 2) ROW_BLOCK_AVX512(WIDEN, BYTES, b + 1, odd)                                                \
+        else ROW_BLOCK_AVX512(WIDEN, BYTES, b + 1, acc)                                                        \
+    }                                                                                                          \
+    if (b < nb) ROW_BLOCK_AVX512(WIDEN, BYTES, b, acc)                                                         \
+    for (int m = 0; m < MT; m++)                                                                               \
+        out[m] = _mm512_reduce_add_ps(MT <= 2 ? _mm512_add_ps(acc[m], odd[m]) : acc[m]);                       \
+}
+DEFINE_ROW_AVX512(q4_row, q4_widen16, 16)
+DEFINE_ROW_AVX512(q8_row, q8_widen16, 32)
+#else
 DEFINE_ROW_AVX2(q4_row, q4_widen, 16)
 DEFINE_ROW_AVX2(q8_row, q8_widen, 32)
+#endif
 DEFINE_ROW_AVX2(fp8_block_row, fp8_widen, 32)
 #define FP8_ROW_UNIT (256.f) /* fp8_widen's values are value / 256 */
 
