@@ -65,13 +65,21 @@ static inline __m256i qi8_q4_codes(const uint8_t* p) {
 }
 
 /* Eight int32 partial sums of codes . q: unsigned codes against signed q pairwise into int16 (at most
-   2 * 128 * 127, no saturation), then pairs of those into int32. q8's signed codes move their sign onto q. */
-static inline __m256i qi8_dot_q4(__m256i w, __m256i q) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
+   2 * 128 * 127, no saturation), then pairs of those into int32. q8's signed codes move their sign onto q.
+   Where the build has AVX512-VNNI (the avx512bf16 variant), vpdpbusd does both steps in one instruction; with no
+   saturation in the two-step form, the sums are the same integers. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i qi8_dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 }
+#else
+static inline __m256i qi8_dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+static inline __m256i qi8_dot_q4(__m256i w, __m256i q) { return qi8_dot_u8s8(w, q); }
 static inline __m256i qi8_dot_q8(__m256i w, __m256i q) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w)),
-                             _mm256_set1_epi16(1));
+    return qi8_dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
 }
 #define QI8_LOAD_Q4(p) qi8_q4_codes(p)
 #define QI8_LOAD_Q8(p) _mm256_loadu_si256((const __m256i*)(p))
