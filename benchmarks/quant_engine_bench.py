@@ -59,6 +59,7 @@ def weight_bytes(model: object, rows: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cpu-isa", default="auto", help="force a kernel path (avx2, generic, none, ...)")
     ap.add_argument("--cpu-quant-dense-rows", type=int, default=None, help="CpuOptions.quant_dense_rows")
@@ -81,7 +82,7 @@ def main() -> None:
             options["fused_quant_decode"] = False
         if int8_activations:
             options["quant_int8_activations"] = True
-        config = EngineConfig(model=None, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
+        config = EngineConfig(model=args.model, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
                               max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**options))  # type: ignore[arg-type]
         core, _ = build_engine_core(config, with_metrics=False)
         model = core.backend.model  # type: ignore[attr-defined]
