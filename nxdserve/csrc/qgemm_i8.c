@@ -132,6 +132,7 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
                                       cn, cs[m]);                                                               \
         int64_t b = c0;                                                                                         \
         for (; b + 1 < end; b += 2) {                                                                           \
+            Q_PREFETCH(wr + b * (BYTES));                                                                       \
             QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b, acc)                                                            \
             if (MT <= 4) QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b + 1, odd)                                           \
             else QI8_BLOCK_AVX2(LOAD, DOT, BYTES, b + 1, acc)                                                   \
