@@ -226,7 +226,8 @@ def server_spec(cfg: Config, args: argparse.Namespace, model_dir: str, workloads
         def nxd(port: int) -> list[str]:
             argv = [sys.executable, "-m", "nxdserve.cli", "--host", "127.0.0.1", "--port", str(port)]
             argv += ["--max-model-len", str(args.max_model_len), "--max-num-seqs", "32", "--num-threads", threads]
-            return [*argv, "--disable-log-requests", *cfg.flags]
+            model = ["--model", args.gguf] if args.gguf else []
+            return [*argv, *model, "--disable-log-requests", *cfg.flags]
 
         return compare.ServerSpec(cfg.name, nxd, workloads, env)
     if cfg.server == "vllm":
@@ -429,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-sequence context: small, so that ~15 servers' KV caches fit in memory at once",
     )
     p.add_argument("--vllm-python", default="/work/ext/vllmenv/bin/python")
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help="a Q4_1 GGUF served in place of the default model (nxdserve --model, llama-q4_1; vLLM its dense copy)",
+    )
     p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per vLLM server")
     p.add_argument("--llamacpp-bin", default=str(LLAMA_SRC / "build/bin/llama-server"))
     p.add_argument("--llama-src", default=str(LLAMA_SRC), help="llama.cpp source tree (convert_hf_to_gguf.py)")
@@ -458,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     from nxdserve.bench.tokenizer import HFTokenizer
     from nxdserve.model_files import default_gguf_path, resolve_model
 
-    model_dir = str(resolve_model(None))
-    default_gguf = Path(default_gguf_path())
+    model_dir = str(resolve_model(args.gguf))  # vLLM's: the same weights, dense
+    default_gguf = Path(args.gguf) if args.gguf else Path(default_gguf_path())
     shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
     notes = make_ggufs(model_dir, default_gguf, Path(args.gguf_dir), Path(args.llama_src)) if args.make_ggufs else []
     configs = all_configs(args, default_gguf)
