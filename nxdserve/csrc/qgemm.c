@@ -82,23 +82,26 @@ static inline void fp8_widen(const uint8_t* p, __m256 q[4]) {
             ACC[m] = _mm256_fmadd_ps(_mm256_add_ps(lo, hi), s, ACC[m]);                                        \
         }                                                                                                      \
     }
-#define DEFINE_ROW_AVX2(NAME, WIDEN, BYTES)                                                                \
+/* One weight row against MT rows of x, for either vector width (VEC, its block step BLOCK, ZERO, ADD, HSUM). */
+#define DEFINE_ROW_X86(NAME, WIDEN, BYTES, VEC, BLOCK, ZERO, ADD, HSUM)                                        \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
                                                        const float* x, int64_t xs, int64_t nb, int MT,         \
                                                        float* out) {                                           \
-    __m256 acc[QT], odd[2];                                                                                    \
-    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();                                                 \
-    odd[0] = odd[1] = _mm256_setzero_ps();                                                                     \
+    VEC acc[QT], odd[2];                                                                                       \
+    for (int m = 0; m < MT; m++) acc[m] = ZERO();                                                              \
+    odd[0] = odd[1] = ZERO();                                                                                  \
     int64_t b = 0;                                                                                             \
     for (; b + 1 < nb; b += 2) {                                                                               \
         Q_PREFETCH(wr + b * (BYTES));                                                                          \
-        ROW_BLOCK_AVX2(WIDEN, BYTES, b, acc)                                                                   \
-        if (MT <= 2) ROW_BLOCK_AVX2(WIDEN, BYTES, b + 1, odd)                                                  \
-        else ROW_BLOCK_AVX2(WIDEN, BYTES, b + 1, acc)                                                          \
+        BLOCK(WIDEN, BYTES, b, acc)                                                                            \
+        if (MT <= 2) BLOCK(WIDEN, BYTES, b + 1, odd)                                                           \
+        else BLOCK(WIDEN, BYTES, b + 1, acc)                                                                   \
     }                                                                                                          \
-    if (b < nb) ROW_BLOCK_AVX2(WIDEN, BYTES, b, acc)                                                           \
-    for (int m = 0; m < MT; m++) out[m] = q_hsum(MT <= 2 ? _mm256_add_ps(acc[m], odd[m]) : acc[m]);            \
+    if (b < nb) BLOCK(WIDEN, BYTES, b, acc)                                                                    \
+    for (int m = 0; m < MT; m++) out[m] = HSUM(MT <= 2 ? ADD(acc[m], odd[m]) : acc[m]);                        \
 }
+#define DEFINE_ROW_AVX2(NAME, WIDEN, BYTES) \
+    DEFINE_ROW_X86(NAME, WIDEN, BYTES, __m256, ROW_BLOCK_AVX2, _mm256_setzero_ps, _mm256_add_ps, q_hsum)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* The AVX512 builds (avx512bf16 and its AMX code): a block's 32 codes are two 16-float vectors, so a block is half
    the AVX2 path's instructions (one widening load per 16 codes, one multiply and one FMA per row). The sums are
@@ -126,24 +129,9 @@ static inline void q8_widen16(const uint8_t* p, __m512 q[2]) {
             ACC[m] = _mm512_fmadd_ps(d, s, ACC[m]);                                                            \
         }                                                                                                      \
     }
-#define DEFINE_ROW_AVX512(NAME, WIDEN, BYTES)                                                              \
-static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
-                                                       const float* x, int64_t xs, int64_t nb, int MT,         \
-                                                       float* out) {                                           \
-    __m512 acc[QT], odd[2];                                                                                    \
-    for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();                                                 \
-    odd[0] = odd[1] = _mm512_setzero_ps();                                                                     \
-    int64_t b = 0;                                                                                             \
-    for (; b + 1 < nb; b += 2) {                                                                               \
-        Q_PREFETCH(wr + b * (BYTES));                                                                          \
-        ROW_BLOCK_AVX512(WIDEN, BYTES, b, acc)                                                                 \
-        if (MT <= 2) ROW_BLOCK_AVX512(WIDEN, BYTES, b + 1, odd)                                                \
-        else ROW_BLOCK_AVX512(WIDEN, BYTES, b + 1, acc)                                                        \
-    }                                                                                                          \
-    if (b < nb) ROW_BLOCK_AVX512(WIDEN, BYTES, b, acc)                                                         \
-    for (int m = 0; m < MT; m++)                                                                               \
-        out[m] = _mm512_reduce_add_ps(MT <= 2 ? _mm512_add_ps(acc[m], odd[m]) : acc[m]);                       \
-}
+#define DEFINE_ROW_AVX512(NAME, WIDEN, BYTES) \
+    DEFINE_ROW_X86(NAME, WIDEN, BYTES, __m512, ROW_BLOCK_AVX512, _mm512_setzero_ps, _mm512_add_ps,  \
+                   _mm512_reduce_add_ps)
 DEFINE_ROW_AVX512(q4_row, q4_widen16, 16)
 DEFINE_ROW_AVX512(q8_row, q8_widen16, 32)
 #else
