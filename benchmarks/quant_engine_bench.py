@@ -40,11 +40,17 @@ def weight_bytes(model: object, rows: int) -> int:
     serves that many rows, a dense copy's bytes where it does not."""
     from nxdserve.engine.models import quant
 
+    limit = getattr(quant, "dense_rows", None)  # None: a tree without the row switch (main before it)
+    # A bf16 model's bound as warm-up measured it (quant_steps.py; absent on trees before it)
+    measured = getattr(getattr(model, "fused_decode", None), "quantized_dense_above", None)
+    if limit and measured is not None:
+        limit = measured
+    dense_bytes = 2 if getattr(model, "dtype", None) == torch.bfloat16 else 4  # the dense copies' dtype
+
     def size(w: object) -> int:
         if isinstance(w, quant.QuantLinear):
-            limit = getattr(quant, "dense_rows", None)  # None: a tree without the row switch (main before it)
-            if limit and rows > limit:
-                return w.out_features * w.in_features * 4
+            if limit is not None and rows > limit and getattr(quant, "dense_rows", None):
+                return w.out_features * w.in_features * dense_bytes
             return w.nbytes
         assert isinstance(w, torch.Tensor)
         return w.numel() * w.element_size()

@@ -88,14 +88,15 @@ WORKLOAD_ROWS = {"a": 32, "s": 32}  # rows in a decode step of each workload (b:
 QUANT_DENSE_ROWS = 16  # nxdserve's --cpu-quant-dense-rows default: more rows compute on a dense copy
 
 
-def linear_bytes(kind: str, n: int, k: int, act_bytes: int, rows: int = 1) -> int:
+def linear_bytes(kind: str, n: int, k: int, act_bytes: int, rows: int = 1, dense_above: int = QUANT_DENSE_ROWS) -> int:
     """Bytes nxdserve's ``QuantLinear`` (engine/models/quant.py) reads for one (n, k) weight in a step of ``rows``.
 
     Up to ``QUANT_DENSE_ROWS`` rows the C kernel (csrc/qgemm.c) reads the codes as stored, K padded to 32, with
     fp32 block scales: int8 / fp8 / Q8_0 one byte a weight plus a scale per 32 (a row scale repeated per block);
     int4 (any group, the gguf blocks) 16 bytes of nibbles plus an fp32 scale and offset per 32. More rows read
-    the dense copy in the activations' dtype."""
-    if kind == "dense" or rows > QUANT_DENSE_ROWS:
+    the dense copy in the activations' dtype (``dense_above``: a bf16 model's bound as its warm-up measured it,
+    engine/models/quant_steps.py)."""
+    if kind == "dense" or rows > dense_above:
         return n * k * act_bytes
     blocks = -(-k // 32)
     if kind in ("int8", "fp8", "q8_0"):
@@ -106,7 +107,12 @@ def linear_bytes(kind: str, n: int, k: int, act_bytes: int, rows: int = 1) -> in
 
 
 def nxdserve_weight_bytes(
-    shape: ModelShape, dtype: str, quantization: str | None, head_kind: str = "dense", rows: int = 1
+    shape: ModelShape,
+    dtype: str,
+    quantization: str | None,
+    head_kind: str = "dense",
+    rows: int = 1,
+    dense_above: int = QUANT_DENSE_ROWS,
 ) -> int:
     """One decode step's weight reads on nxdserve's layer-by-layer path (``rows`` rows): linears, LM head, norms.
 
@@ -123,7 +129,7 @@ def nxdserve_weight_bytes(
         kind = "int4"
     elif quantization is not None:
         raise ValueError(f"no byte model for --quantization {quantization!r}")
-    total = sum(linear_bytes(kind, n, k, act, rows) for n, k in shape.linears())
+    total = sum(linear_bytes(kind, n, k, act, rows, dense_above) for n, k in shape.linears())
     head = head_kind if quantization == "gguf" else "dense"
     total += linear_bytes(head, shape.vocab, shape.hidden, act, rows)
     return total + shape.norm_params() * act
@@ -304,7 +310,15 @@ def nxdserve_loaded(log: str) -> dict[str, Any]:
     applied = re.search(r"torch_backend: weights: --quantization (\S+)", log)
     config = re.search(r"effective configuration: (\{.*\})", log)
     quant = applied.group(1) if applied else json.loads(config.group(1)).get("quantization") if config else None
-    return {"dtype": dtype.group(1) if dtype else None, "quantization": quant, "isa": isa.group(1) if isa else None}
+    # A bf16 model's small quantized steps, as its warm-up chose (engine/models/quant_steps.py)
+    small = re.search(r"quantized steps of up to \d+ rows: (dense bf16 copies|codes up to (\d+) rows)", log)
+    dense_above = QUANT_DENSE_ROWS if small is None else int(small.group(2) or 0)
+    return {
+        "dtype": dtype.group(1) if dtype else None,
+        "quantization": quant,
+        "isa": isa.group(1) if isa else None,
+        "dense_above": dense_above,
+    }
 
 
 def vllm_loaded(log: str) -> tuple[str | None, str | None]:
@@ -546,9 +560,11 @@ def describe_row(
         row["loaded_from_log"] = loaded
         if loaded["dtype"] in DTYPE_BYTES:
             head = "q8_0" if loaded["quantization"] == "gguf" else "dense"  # the default GGUF's token_embd is Q8_0
-            weight_bytes = nxdserve_weight_bytes(shape, loaded["dtype"], loaded["quantization"], head)
+            weight_bytes = nxdserve_weight_bytes(
+                shape, loaded["dtype"], loaded["quantization"], head, 1, loaded["dense_above"]
+            )
             step_bytes = {w: nxdserve_weight_bytes(shape, loaded["dtype"], loaded["quantization"], head,
-                                                   WORKLOAD_ROWS.get(w, 1)) for w in results}
+                                                   WORKLOAD_ROWS.get(w, 1), loaded["dense_above"]) for w in results}
         row["loaded"] = f"{loaded['dtype']}/{loaded['quantization'] or 'dense'}/{loaded['isa']}"
     elif cfg.server == "vllm":
         dtype, quant = vllm_loaded(log)

@@ -18,6 +18,10 @@ from nxdserve.errors import ConfigError
 # "neon" is aarch64's; "none": no C kernels, the model runs its torch ops.
 Isa = Literal["auto", "amx", "avx512bf16", "avx2", "neon", "generic", "none"]
 ISA_CHOICES: tuple[str, ...] = get_args(Isa)
+# A bf16 model's quantized steps of up to quant_dense_rows tokens (where the fused AVX512-BF16 / AMX forward
+# runs): timed at warm-up on the codes and on the dense copies, the faster taken; or one pinned.
+SmallSteps = Literal["measure", "codes", "dense"]
+SMALL_STEP_CHOICES: tuple[str, ...] = get_args(SmallSteps)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class CpuOptions:
     # Quantized linears' small-row kernel: activations rounded to int8 per 32 columns, integer dot products with
     # the 4-bit / int8 codes (csrc/qgemm_i8.c). Off: results change (the activations' rounding), so opt-in.
     quant_int8_activations: bool = False
+    quant_small_steps: SmallSteps = "measure"  # see SmallSteps (engine/models/quant_steps.py)
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_CHOICES:
@@ -48,8 +53,14 @@ class CpuOptions:
         rows = self.quant_dense_rows
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
             raise ConfigError(f"cpu option quant_dense_rows must be an int >= 0; got {rows!r}.")
+        if self.quant_small_steps not in SMALL_STEP_CHOICES:
+            raise ConfigError(
+                f"cpu option quant_small_steps must be one of {', '.join(SMALL_STEP_CHOICES)}; "
+                f"got {self.quant_small_steps!r}."
+            )
         for f in fields(self):
-            if f.name not in ("isa", "quant_dense_rows") and not isinstance(getattr(self, f.name), bool):
+            typed = f.name in ("isa", "quant_dense_rows", "quant_small_steps")
+            if not typed and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"cpu option {f.name} must be a bool; got {getattr(self, f.name)!r}.")
 
 
@@ -96,6 +107,13 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantized linears (4-bit, int8): round the activations of steps of up to --cpu-quant-dense-rows rows "
         "to int8 per 32 columns and take integer dot products (faster; results change slightly, so off by default)",
     )
+    group.add_argument(
+        "--cpu-quant-small-steps",
+        default=CpuOptions.quant_small_steps,
+        choices=SMALL_STEP_CHOICES,
+        help="a bf16 model's quantized steps of up to --cpu-quant-dense-rows rows (AVX512-BF16 / AMX): measure = "
+        "time the codes and the dense copies at start-up and take the faster; codes / dense = pin one",
+    )
     for name, flag, text in _SWITCHES:
         group.add_argument(flag, dest=f"cpu_{name}", action="store_false", help=text)
 
@@ -106,6 +124,7 @@ def cpu_options_from_args(args: argparse.Namespace) -> CpuOptions:
         isa=args.cpu_isa,
         quant_dense_rows=args.cpu_quant_dense_rows,
         quant_int8_activations=args.cpu_quant_int8_activations,
+        quant_small_steps=args.cpu_quant_small_steps,
         **switches,
     )
 

@@ -113,8 +113,20 @@ def test_logs_say_what_was_loaded_and_why_a_start_failed() -> None:
         "INFO nxdserve.engine.backends.torch_backend: torch backend: llama on cpu in bfloat16, 32 slots x 256\n"
         'INFO nxdserve.server: effective configuration: {"dtype": "bfloat16", "quantization": "int8"}\n'
     )
-    assert qp.nxdserve_loaded(log) == {"dtype": "bfloat16", "quantization": "int8", "isa": "avx2"}
-    assert qp.nxdserve_loaded("") == {"dtype": None, "quantization": None, "isa": None}
+    assert qp.nxdserve_loaded(log) == {
+        "dtype": "bfloat16", "quantization": "int8", "isa": "avx2", "dense_above": qp.QUANT_DENSE_ROWS
+    }  # fmt: skip
+    assert qp.nxdserve_loaded("") == {
+        "dtype": None, "quantization": None, "isa": None, "dense_above": qp.QUANT_DENSE_ROWS
+    }  # fmt: skip
+    # the warm-up's choice of a bf16 model's small quantized steps (quant_steps.py) decides their bytes
+    dense = "torch_backend: quantized steps of up to 16 rows: dense bf16 copies (codes vs dense: 1 rows 13 vs 8 ms)"
+    assert qp.nxdserve_loaded(dense)["dense_above"] == 0
+    assert qp.nxdserve_loaded("quantized steps of up to 16 rows: codes up to 4 rows, then dense")["dense_above"] == 4
+    shape = qp.ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100)
+    on_codes = qp.nxdserve_weight_bytes(shape, "bfloat16", "int8", rows=1)
+    on_copies = qp.nxdserve_weight_bytes(shape, "bfloat16", "int8", rows=1, dense_above=0)
+    assert on_copies == qp.nxdserve_weight_bytes(shape, "bfloat16", None) > on_codes
     applied = 'torch_backend: weights: --quantization gguf\neffective configuration: {"quantization": null}\n'
     assert qp.nxdserve_loaded(applied)["quantization"] == "gguf"
     vllm_log = (

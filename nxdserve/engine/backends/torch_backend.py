@@ -24,10 +24,11 @@ import torch
 from nxdserve.config import EngineConfig
 from nxdserve.engine.backends.base import Backend
 from nxdserve.engine.backends.weight_format import WeightFormat, default_weight_format
-from nxdserve.engine.models import SlotModelRunner, cpu_setup, resolve_device, resolve_dtype
+from nxdserve.engine.models import SlotModelRunner, cpu_setup, quant, resolve_device, resolve_dtype
 from nxdserve.engine.models.attention import DEFAULT_BATCHED_QUERY_LIMIT, DraftAlternatives
 from nxdserve.engine.models.compressed_tensors import resolve_quantization
 from nxdserve.engine.models.cpu_threads import ThreadBinding, ThreadGovernor
+from nxdserve.engine.models.quant_steps import choose_small_step_path
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.sampling.sampler import accept_greedy
@@ -463,6 +464,10 @@ class TorchBackend(Backend):
         hidden = self.runner.run(torch.zeros(1, dtype=torch.long), np.array([0]), np.array([n]), np.array([1]))
         self.runner.logits(hidden)
         self.runner.greedy_tokens(prefill, self.model.vocab_size)
+        if self.device.type == "cpu":
+            choice = choose_small_step_path(self.runner, self.config.cpu.quant_small_steps)
+            if choice is not None:
+                logger.info("quantized steps of up to %d rows: %s", quant.dense_rows, choice.describe())
 
 
 @dataclass

@@ -91,6 +91,10 @@ class FusedDecode:
         )
         self._table: _LayerTable | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
+        # A bf16 model with quantized linears: its steps of more than this many tokens read the dense copies
+        # (None: ``quant.dense_rows``, the layers' own switch). Set from a measurement at warm-up
+        # (``quant_steps.py``): 0 where the dense copies beat the codes at every step size.
+        self.quantized_dense_above: int | None = None
 
     def accepts(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_cache: SlotKVCache) -> bool:
         """``inputs``: the token ids (``forward``) or input states (``run``) of this forward."""
@@ -116,11 +120,13 @@ class FusedDecode:
         """A bf16 model with quantized linears, in a step of more than ``quant.dense_rows`` tokens: each of its
         linear calls would multiply by the weight's dense bf16 copy (``QuantLinear.dense_copy``), so the fused forward
         reads those copies and the step runs in one call, as a dense bf16 model's (on AMX, 32 concurrent decode
-        rows went from 0.35-0.39x the dense model's tok/s to 0.87-0.92x; the layer path keeps the same copies)."""
+        rows went from 0.35-0.39x the dense model's tok/s to 0.87-0.92x; the layer path keeps the same copies).
+        ``quantized_dense_above`` moves that bound where warm-up measured the copies faster."""
+        above = quant.dense_rows if self.quantized_dense_above is None else self.quantized_dense_above
         return (
             isinstance(weight, QuantLinear)
             and bool(quant.dense_rows)
-            and tokens > quant.dense_rows
+            and tokens > above
             and self.layers[0].post_norm.weight.dtype == torch.bfloat16
             and self.layers[0].post_norm.weight.device.type == "cpu"
         )
