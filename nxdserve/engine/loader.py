@@ -140,7 +140,7 @@ def size_kv_cache(config: EngineConfig, files: ModelFiles) -> None:
     if budget is None:
         return
     assert config.max_model_len is not None
-    dtype_bytes = kv_element_bytes(config.kv_cache_dtype, resolve_dtype(config.dtype, device).itemsize)
+    dtype_bytes = kv_element_bytes(config.kv_cache_dtype, resolve_dtype(config.dtype, device, config.cpu.isa).itemsize)
     fit_slots(config, budget, kv_bytes_per_slot(files.hf_config, config.max_model_len, dtype_bytes),
               kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
 

@@ -269,6 +269,12 @@ def test_dtype_and_device_resolution() -> None:
     assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert resolve_dtype("float16", CPU) == torch.float16
     assert resolve_dtype("auto", CPU) in (torch.float32, torch.bfloat16)
+    # A forced build without native bf16 stands for such a CPU: its default dtype, fp32, whatever this CPU has.
+    for isa in ("avx2", "generic"):
+        assert resolve_dtype("auto", CPU, isa) == torch.float32
+        assert resolve_dtype("bfloat16", CPU, isa) == torch.bfloat16  # an explicit dtype still wins
+    for isa in ("auto", "amx", "avx512bf16", "none"):
+        assert resolve_dtype("auto", CPU, isa) == resolve_dtype("auto", CPU)
     assert resolve_device("cpu") == CPU
     assert resolve_device("auto").type in ("cpu", "cuda")
     with pytest.raises(ConfigError):

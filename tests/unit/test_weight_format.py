@@ -89,6 +89,28 @@ def test_default_model_loads_its_blocks_and_float32_loads_dense(caplog: pytest.L
             assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
 
 
+def test_forcing_the_avx2_kernels_serves_what_an_avx2_machine_would() -> None:
+    """``--cpu-isa avx2`` on any x86 CPU that runs it: the default model in fp32 from its 4-bit blocks, with the
+    KV cache sized for fp32, as on a CPU without native bf16."""
+    from nxdserve.cpu_options import CpuOptions
+    from nxdserve.engine.models import cpu_kernels
+
+    if "avx2" not in cpu_kernels.runnable_paths():
+        pytest.skip("this CPU cannot run the AVX2 kernels")
+    try:
+        core = make_core(dtype="auto", max_model_len=64, max_num_seqs=2, cpu=CpuOptions(isa="avx2"))
+        backend = core.backend
+        assert backend.dtype == torch.float32  # type: ignore[attr-defined]
+        assert core.config.quantization == "gguf"
+        assert backend.runner.kv_cache.data.dtype == torch.float32  # type: ignore[attr-defined]
+        (out,) = run_to_completion(core, [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        from nxdserve.engine.models import cpu_setup
+
+        cpu_setup.apply(CpuOptions())
+
+
 def test_a_gguf_whose_linears_are_not_served_quantized_falls_back_to_dense(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -92,7 +92,7 @@ class TorchBackend(Backend):
         self.thread_governor = ThreadGovernor(threads if governed else 1)
         self._max_threads = threads
         self.thread_binding = ThreadBinding([] if self.device.type != "cpu" else None, config.cpu.bind_threads)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.cpu.isa)
         # A pre-quantized checkpoint names its own format (vLLM's auto-detection); a clashing flag fails here.
         config.quantization = resolve_quantization(config.quantization, model_path)
         started = time.perf_counter()

@@ -36,15 +36,21 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"Unknown device {name!r}.") from exc
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on CUDA with bf16 support and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32."""
+# C-kernel builds that, forced with --cpu-isa, stand for a CPU without native bf16 (an AVX2-only x86, or one
+# without AVX2): "auto" then picks that CPU's dtype, so a forced run measures what such a machine serves.
+NO_BF16_ISAS = ("avx2", "generic")
+
+
+def resolve_dtype(name: str, device: torch.device, cpu_isa: str = "auto") -> torch.dtype:
+    """``auto``: bf16 on CUDA with bf16 support and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32;
+    fp32 too where ``cpu_isa`` (``--cpu-isa``) forces a build in ``NO_BF16_ISAS``."""
     if name != "auto":
         if name not in _DTYPES:
             raise ConfigError(f"Unknown dtype {name!r} (auto, float32, bfloat16 or float16).")
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() and cpu_isa not in NO_BF16_ISAS else torch.float32
 
 
 @functools.cache
