@@ -17,9 +17,10 @@
    Then the final RMSNorm in place. Activations and the KV cache are fp32, the weights' codes are widened in
    registers by qgemm.c's row kernels (q_weight_row): the layer path's results to fp32 rounding.
 
-   GEMV rows are shared out in chunks of 16 taken as threads free up (dynamic schedule), the heads one at a time:
-   on a shared machine (other processes, or the server's own event-loop thread) a thread that lost its core for a
-   while leaves its rows to the others instead of holding every phase's barrier. Each row is computed whole by one
+   GEMV rows are shared out in chunks taken as threads free up (dynamic schedule, about Q_SPLITS chunks a thread:
+   q_rows_chunk), the heads one at a time: on a shared machine (other processes, or the server's own event-loop
+   thread) a thread that lost its core for a while leaves its rows to the others instead of holding every phase's
+   barrier. Each row is computed whole by one
    thread, so the results do not depend on the split. (Static equal shares measured the same on an unshared run.) */
 
 enum {
@@ -117,6 +118,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
     float* attn = (float*)malloc(sizeof(float) * (size_t)(T * QS));
     float* act = (float*)malloc(sizeof(float) * (size_t)(T * I));
     const int nt = a->nthreads < 1 ? 1 : a->nthreads;
+    const int64_t c_qkv = q_rows_chunk(NQKV, nt), c_h = q_rows_chunk(H, nt), c_i = q_rows_chunk(I, nt);
     _Pragma("omp parallel num_threads(nt)")
     {
         /* Per thread: its copy of the normed rows, their block sums (q4 offsets), attention scores, dot rows. */
@@ -139,7 +141,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             /* 1. input norm, q/k/v */
             qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
             qd_prepare(&in, &wqkv, a->int8_activations, h, H, T);
-            _Pragma("omp for schedule(dynamic, 16)")
+            _Pragma("omp for schedule(dynamic, c_qkv)")
             for (int64_t n = 0; n < NQKV; n++) {
                 qd_row(&wqkv, n, &in, T, dot);
                 for (int64_t t = 0; t < T; t++) qkv[t * NQKV + n] = dot[t];
@@ -174,7 +176,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 4. o-proj and the residual */
             qd_prepare(&in, &wo, a->int8_activations, attn, QS, T);
-            _Pragma("omp for schedule(dynamic, 16)")
+            _Pragma("omp for schedule(dynamic, c_h)")
             for (int64_t n = 0; n < H; n++) {
                 qd_row(&wo, n, &in, T, dot);
                 for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
@@ -183,7 +185,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             /* 5. post-attention norm, gate and up, SiLU(gate) * up */
             qd_rmsnorm(x, (const float*)p[QD_POST_NORM], a->eps, h, T, H);
             qd_prepare(&in, &wgu, a->int8_activations, h, H, T);
-            _Pragma("omp for schedule(dynamic, 16)")
+            _Pragma("omp for schedule(dynamic, c_i)")
             for (int64_t n = 0; n < I; n++) {
                 qd_row(&wgu, n, &in, T, dot);
                 qd_row(&wgu, I + n, &in, T, dot + T);
@@ -195,7 +197,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 6. down-proj and the residual */
             qd_prepare(&in, &wdown, a->int8_activations, act, I, T);
-            _Pragma("omp for schedule(dynamic, 16)")
+            _Pragma("omp for schedule(dynamic, c_h)")
             for (int64_t n = 0; n < H; n++) {
                 qd_row(&wdown, n, &in, T, dot);
                 for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];

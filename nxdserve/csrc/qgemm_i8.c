@@ -307,7 +307,8 @@ void qgemm_i8_f32(const nxd_qgemm_args* a) {
     qi8_quantize_rows(a->x, M, a->xs, K, xq, xd, ds);
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* as qgemm_f32: too small to wake the other threads */
-    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 32)")
+    const int64_t chunk = q_rows_chunk(N, nt);
+    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, chunk)")
     for (int64_t n = 0; n < N; n++) {
         const uint8_t* wr = a->w + n * row_bytes;
         const float* ws = a->scale + n * nb;
