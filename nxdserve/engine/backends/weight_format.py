@@ -43,7 +43,8 @@ def default_weight_format(
     - not on a CPU (CUDA): dense; ``QuantLinear``'s kernels are PyTorch's CPU weight-only ones.
     - a CPU whose default dtype is bf16 with the fused bf16 decoder's kernel path (AVX512-BF16 / AMX): dense
       bf16. The fused C decoder reads dense bf16 weights and is the measured-fast path there (a 2-core Xeon
-      with AMX: 1.1-1.2x the exact 4-bit blocks' single stream, 4.6x their 32 rows; docs/quantization.md).
+      with AMX: 4.6x the exact 4-bit blocks' 32 concurrent rows; their single stream is 1.1x its own there, so
+      ``--dtype float32`` is the single-stream choice; docs/quantization.md).
     - otherwise (a .gguf on a CPU without native bf16, or with the C kernels forced lower or off): ``gguf``,
       the file's own 4-bit blocks, bit for bit. LoRA adapters run over them (``linear.linear`` takes a
       ``QuantLinear`` base, the adapters' GEMMs are separate), and so does speculative decoding: the
