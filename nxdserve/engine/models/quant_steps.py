@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 # (the fastest counts: interleaved, so a burst of load hits both paths alike).
 SIZES = (1, 4, 16)
 REPEATS = 3
+SLOW_STEP_S = 0.2  # a warm run slower than this: one timed run of each path at that size
 
 
 @dataclass(frozen=True)
@@ -85,17 +86,27 @@ def _choose(runner: SlotModelRunner, mode: str) -> SmallStepChoice | None:
     position = min(32, runner.max_len - 1)
     sizes = sorted({min(n, runner.num_slots, quant.dense_rows) for n in SIZES})
     timings = []
+    dense_above = 0
     for rows in sizes:
         best = {0: float("inf"), quant.dense_rows: float("inf")}  # dense_above -> fastest seconds
+        repeats = REPEATS
         for repeat in range(REPEATS + 1):
+            if repeat > repeats:
+                break
             for above in best:
                 fused.quantized_dense_above = above
                 seconds = _time_step(runner, rows, position)
                 if repeat:  # the first run of each path warms its kernels and copies up
                     best[above] = min(best[above], seconds)
-        timings.append((rows, best[quant.dense_rows], best[0]))
-    # Steps above the largest size where the codes won read the dense copies (every step, if they never won).
-    dense_above = max((rows for rows, codes, dense in timings if codes < dense), default=0)
+                elif seconds > SLOW_STEP_S:  # a large model: one timed run each bounds the start-up cost
+                    repeats = 1
+        codes, dense = best[quant.dense_rows], best[0]
+        timings.append((rows, codes, dense))
+        # Steps above the largest size where the codes won read the dense copies (every step, if they never won).
+        # The codes' cost grows with the rows, the dense forward's hardly: once they lose, larger sizes are not timed.
+        if codes >= dense:
+            break
+        dense_above = rows
     choice = SmallStepChoice(dense_above, tuple(timings))
     fused.quantized_dense_above = dense_above
     return choice
