@@ -93,3 +93,62 @@ def test_calibration_text_is_not_the_evaluation_sample() -> None:
     calibration, sample = gptq.CALIBRATION.read_text(), SAMPLE.read_text()
     sentences = {s.strip() for s in sample.split(".") if len(s.strip()) > 20}
     assert not any(s in calibration for s in sentences)
+
+
+def _first_layer_inputs(model: LlamaFamilyModel, path: object) -> torch.Tensor:
+    """Layer 0's q/k/v inputs over the calibration text: its input norm of the token embeddings (as the
+    calibration forward computes them: rows of at most ``gptq.CALIBRATION_ROW`` tokens, no state between)."""
+    ids = gptq.calibration_ids(path)
+    row = min(gptq.CALIBRATION_ROW, model.max_len)
+    rows = [ids[i : i + row] for i in range(0, len(ids), row)]
+    kept = torch.tensor([t for r in ([r for r in rows if len(r) >= 16] or rows[:1]) for t in r])
+    with torch.inference_mode():
+        return model.layers[0].input_norm(torch.nn.functional.embedding(kept, model.embed_weight)).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_64_biases_cancel_the_mean_output_error_on_the_calibration(dtype: torch.dtype) -> None:
+    """The dense layer 0's q/k/v mean output over the calibration text is the quantized one's (bias included);
+    without the bias it is not. The model, which had no biases, gets one per linear in its own dtype, and runs."""
+    path = tiny_model_path("llama")
+    model = LlamaFamilyModel.from_pretrained(path, dtype, torch.device("cpu"))
+    assert all(getattr(model.layers[0], b) is None for b in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias"))
+    dense = model.layers[0].qkv_weight.detach().float().clone()
+    x = _first_layer_inputs(model, path)
+    quant.quantize_model(model, "int4-g64", checkpoint=path, lora=True)
+    layer = model.layers[0]
+    for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias"):
+        bias = getattr(layer, name)
+        assert bias is not None and bias.dtype == dtype and bias.is_contiguous()
+    q = layer.qkv_weight.dequantize()
+    want = (x @ dense.t()).mean(0)
+    uncorrected = (x @ q.t()).mean(0)
+    corrected = uncorrected + layer.qkv_bias.float()
+    scale = float(want.abs().mean())
+    assert float((uncorrected - want).abs().max()) > 1e-3 * scale  # the grid's mean error is there to cancel
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # the bias stored in bf16
+    assert float((corrected - want).abs().max()) <= tol * max(scale, 1.0)
+    from nxdserve.engine.models.perplexity import next_token_logits
+
+    logits = next_token_logits(model, list(range(5, 40)))
+    assert logits.shape[0] == 35 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(("method", "lora"), [("int4-g128", True), ("int4-g128", False), ("int4-g32", False)])
+def test_other_groups_get_no_bias(method: str, lora: bool) -> None:
+    """Also a bf16 model's calibration (with awq.py's scales where not ``lora``): its forward calls the stand-ins,
+    where the fused bf16 forward would otherwise have read their dense copies (fused_decode.py)."""
+    path = tiny_model_path("llama")
+    model = LlamaFamilyModel.from_pretrained(path, torch.bfloat16, torch.device("cpu"))
+    quant.quantize_model(model, method, checkpoint=path, lora=lora)
+    assert all(type(layer.qkv_weight) is quant.QuantLinear for layer in model.layers)
+    assert all(layer.qkv_bias is None and layer.down_bias is None for layer in model.layers)
+
+
+def test_correct_bias_adds_to_a_bias_the_model_has() -> None:
+    model, _ = _tiny()
+    layer = model.layers[0]
+    n = layer.o_weight.shape[0]
+    imatrix.correct_bias(layer, "o_weight", torch.full((n,), 0.5))
+    imatrix.correct_bias(layer, "o_weight", torch.full((n,), 0.25))
+    assert torch.equal(layer.o_bias, torch.full((n,), 0.75))

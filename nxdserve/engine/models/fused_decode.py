@@ -125,6 +125,7 @@ class FusedDecode:
         above = quant.dense_rows if self.quantized_dense_above is None else self.quantized_dense_above
         return (
             isinstance(weight, QuantLinear)
+            and weight.fusable
             and bool(quant.dense_rows)
             and tokens > above
             and self.layers[0].post_norm.weight.dtype == torch.bfloat16

@@ -124,23 +124,42 @@ class _Calibrating(QuantLinear):
 
     dense: torch.Tensor | None = None
     hessian: torch.Tensor | None = None
+    input_sum: torch.Tensor | None = None
     tokens: int = 0
+    fusable = False  # the forward must call it (a bf16 model's fused forward would read a dense copy instead)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         assert self.dense is not None
         xf = x.reshape(-1, x.shape[-1]).float()
         gram = xf.t() @ xf
         self.hessian = gram if self.hessian is None else self.hessian + gram
+        total = xf.sum(0)
+        self.input_sum = total if self.input_sum is None else self.input_sum + total
         self.tokens += xf.shape[0]
         out = xf @ self.dense.t()
         out = out.to(x.dtype)
         return out if residual is None else out + residual
 
 
+@dataclass(frozen=True)
+class CalibrationInputs:
+    """One decoder linear's inputs X (tokens, K) over the calibration text."""
+
+    gram: torch.Tensor  # X^T X (K, K)
+    mean: torch.Tensor  # the mean input (K,)
+    tokens: int
+
+
 def calibration_hessians(model: Any, tokenizer_path: Path | str | None) -> dict[str, tuple[torch.Tensor, int]]:
-    """Per decoder linear (``layers.{i}.{attr}``), X^T X of its inputs over ``CALIBRATION`` (tokenized with
-    ``tokenizer_path``'s tokenizer) and the tokens counted, from one forward of the dense model; the model's
-    weights are left as they were."""
+    """Per decoder linear (``layers.{i}.{attr}``), X^T X of its inputs over ``CALIBRATION`` and the tokens counted
+    (``calibration_inputs``)."""
+    return {name: (c.gram, c.tokens) for name, c in calibration_inputs(model, tokenizer_path).items()}
+
+
+def calibration_inputs(model: Any, tokenizer_path: Path | str | None) -> dict[str, CalibrationInputs]:
+    """Per decoder linear (``layers.{i}.{attr}``), its inputs' Gram matrix and mean over ``CALIBRATION``
+    (tokenized with ``tokenizer_path``'s tokenizer), from one forward of the dense model; the model's weights are
+    left as they were."""
     from nxdserve.engine.models.runner import SlotModelRunner
 
     if tokenizer_path is None:
@@ -174,9 +193,9 @@ def calibration_hessians(model: Any, tokenizer_path: Path | str | None) -> dict[
                 setattr(layer, attr, originals[f"layers.{i}.{attr}"])
     out = {}
     for name, standin in standins.items():
-        if standin.hessian is None:
+        if standin.hessian is None or standin.input_sum is None:
             raise RuntimeError(f"calibration: {name} was not called by the forward")
-        out[name] = (standin.hessian, standin.tokens)
+        out[name] = CalibrationInputs(standin.hessian, standin.input_sum / standin.tokens, standin.tokens)
     return out
 
 

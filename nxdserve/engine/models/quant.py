@@ -70,6 +70,9 @@ class QuantLinear:
     group: int = 0
     padded_in: int = 0  # int4: K rounded up to a multiple of 32 (zero codes beyond in_features)
     offsets: torch.Tensor | None = None  # int4: (N, K_padded / 32) fp32; w = code * scale + offset
+    # Whether a fused forward may read this weight's dense copy in place of calling it (a calibration stand-in,
+    # which records its inputs when called, may not)
+    fusable = True
 
     @property
     def shape(self) -> torch.Size:
