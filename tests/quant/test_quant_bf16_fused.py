@@ -3,8 +3,6 @@ C forward on the weights' dense bf16 copies (fused_decode.py), smaller ones keep
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch
 from nxdserve.engine.models import fused_decode, quant
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.runner import SlotModelRunner
+from tests.helpers.fused_runs import record_fused_runs
 from tests.helpers.tiny_model import tiny_model_path
 
 LINEARS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -36,14 +35,7 @@ def test_large_steps_of_a_quantized_bf16_model_are_the_fused_forward_of_its_dens
             weight = getattr(q_layer, name)
             assert isinstance(weight, quant.QuantLinear)
             getattr(d_layer, name).data.copy_(weight.dequantize(torch.bfloat16))
-    fused_sizes: list[int] = []
-    real_run = fused_decode.FusedDecode.run
-
-    def counting_run(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        fused_sizes.append(int(x.shape[0]))
-        return real_run(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(fused_decode.FusedDecode, "run", counting_run)
+    fused_sizes = record_fused_runs(monkeypatch)
     tokens = torch.randint(3, 1000, (30,), generator=torch.Generator().manual_seed(0))
 
     def prefill_then_decode(model: LlamaFamilyModel) -> tuple[torch.Tensor, torch.Tensor]:

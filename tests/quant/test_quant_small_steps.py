@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ from nxdserve.engine.models import fused_decode, quant, quant_steps
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.runner import SlotModelRunner
 from nxdserve.errors import ConfigError
+from tests.helpers.fused_runs import record_fused_runs
 from tests.helpers.tiny_model import tiny_model_path
 
 needs_fused = pytest.mark.skipif(not fused_decode.available(), reason="the fused bf16 C forward is not built here")
@@ -27,14 +26,7 @@ def _runner(dtype: torch.dtype = torch.bfloat16, method: str | None = "int8", sl
 
 def _fused_steps(runner: SlotModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Runs a 1-row and a 3-row decode step; returns the sizes of those the fused forward ran."""
-    sizes: list[int] = []
-    real_run = fused_decode.FusedDecode.run
-
-    def counting_run(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sizes.append(int(x.shape[0]))
-        return real_run(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(fused_decode.FusedDecode, "run", counting_run)
+    sizes = record_fused_runs(monkeypatch)
     with torch.inference_mode():
         runner.run(torch.tensor([7]), np.array([0]), np.array([3]), np.array([1]))
         runner.run(torch.tensor([7, 8, 9]), np.arange(3), np.full(3, 3), np.ones(3, dtype=np.int64))
