@@ -58,6 +58,9 @@ def test_adapters_over_quantized_base_weights(tmp_path: Path, exact_kernels: Non
                     weight = getattr(layer, name)
                     assert isinstance(weight, QuantLinear)
                     getattr(dense_layer, name).copy_(weight.dequantize(torch.float32))
+            head = model.lm_head_quant  # the 4-bit methods' Q8_0 head of an fp32 model (quant.lm_head_format)
+            assert head is not None and head.kind == "q8_0"
+            dense_model.lm_head_weight = torch.nn.Parameter(head.dequantize(torch.float32), requires_grad=False)
         got = {name: _greedy(quantized, name) for name in [None, *adapters]}
         assert got == {name: _greedy(reference, name) for name in [None, *adapters]}
     assert len({tuple(v[0]) for v in got.values()}) == len(got)  # each adapter changes the output

@@ -104,7 +104,10 @@ def test_lora_served_models_are_not_scaled() -> None:
     quant.quantize_model(unscaled, "int4-g64", checkpoint=path)
     assert all(torch.equal(a, b) for a, b in zip(_norms(unscaled), norms, strict=True))
     for m in (model, served):
-        assert m.lm_head_quant is None and m.lm_head_weight is m.embed_weight
+        # the tied head is never scaled; an fp32 model's is served from Q8_0 blocks of it (quant.lm_head_format)
+        assert m.lm_head_weight is m.embed_weight
+        assert m.lm_head_quant is not None and m.lm_head_quant.kind == "q8_0"
+        torch.testing.assert_close(m.lm_head_quant.dequantize(), embed, rtol=0, atol=float(embed.abs().max()) / 200)
         torch.testing.assert_close(m.embed_weight, embed, rtol=0, atol=0)
         torch.testing.assert_close(m.norm.weight, final, rtol=0, atol=0)
     logits = next_token_logits(served, IDS)

@@ -85,7 +85,12 @@ def test_tiny_model_quantized_computes_its_dequantized_weights(method: str, exac
     dense = LlamaFamilyModel.from_pretrained(path, torch.float32, torch.device("cpu"), max_len=64)
     model = LlamaFamilyModel.from_pretrained(path, torch.float32, torch.device("cpu"), max_len=64)
     quant.quantize_model(model, method)
-    assert model.lm_head_quant is None  # the head stays dense
+    head = model.lm_head_quant
+    if method == "int4":  # the 4-bit methods store an fp32 model's head as Q8_0 blocks, as a Q4_1 GGUF file does
+        assert head is not None and head.kind == "q8_0"
+        dense.lm_head_weight = torch.nn.Parameter(head.dequantize(), requires_grad=False)
+    else:
+        assert head is None  # the head stays dense
     ids = [1, 450, 3001, 97, 12, 5000, 23, 8]
     before = next_token_logits(dense, ids)
     with torch.no_grad():
@@ -98,6 +103,28 @@ def test_tiny_model_quantized_computes_its_dequantized_weights(method: str, exac
     got, ref = next_token_logits(model, ids), next_token_logits(dense, ids)
     assert not torch.equal(got, before)  # the codes differ from the dense weights ...
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)  # ... and are what the model computes with
+
+
+def test_q8_0_blocks_round_to_a_scale_per_32_inputs() -> None:
+    torch.manual_seed(3)
+    weight = torch.randn(8, 96)
+    q = quant.quantize_q8_0(weight)
+    assert (q.kind, q.group, tuple(q.data.shape), tuple(q.scales.shape)) == ("q8_0", 32, (8, 96), (8, 3))
+    step = q.scales.repeat_interleave(32, dim=1)
+    assert bool(((q.dequantize() - weight).abs() <= step / 2 + 1e-7).all())
+    # weights already on a Q8_0 grid (a GGUF head expanded) come back exactly
+    torch.testing.assert_close(quant.quantize_q8_0(q.dequantize()).dequantize(), q.dequantize(), rtol=0, atol=1e-7)
+
+
+def test_lm_head_format_per_method_and_dtype() -> None:
+    head = torch.randn(64, 96)
+    for method in ("int4", "int4-g32", "int4-g64", "int4-g128"):
+        got = quant.lm_head_format(head, method)
+        assert got is not None and got.kind == "q8_0", method
+    for method in ("int8", "fp8", "rtn"):  # vLLM's online methods (and its rtn) leave the head dense
+        assert quant.lm_head_format(head, method) is None, method
+    assert quant.lm_head_format(head.bfloat16(), "int4") is None  # a bf16 head: the greedy screen reads it dense
+    assert quant.lm_head_format(torch.randn(64, 100), "int4") is None  # K not a multiple of 32
 
 
 def test_bad_quantization_is_a_config_error() -> None:

@@ -166,7 +166,8 @@ def scale_and_quantize_layer(
 def quantize_model_awq(model: Any, group: int, tokenizer_path: Path | str | None) -> None:
     """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group``: per layer the
     activation-aware scales (folded into the norms and producers as the module doc says) and the
-    activation-weighted search; layers that cannot fold get the search alone (imatrix). The LM head stays dense."""
+    activation-weighted search; layers that cannot fold get the search alone (imatrix). The LM head: as
+    ``quant.lm_head_format`` (Q8_0 blocks on an fp32 model, else dense)."""
     hessians = gptq.calibration_hessians(model, tokenizer_path)
     codes: dict[str, quant.QuantLinear] = {}
     scaled = 0
@@ -178,7 +179,7 @@ def quantize_model_awq(model: Any, group: int, tokenizer_path: Path | str | None
 
     def make(name: str, weight: torch.Tensor) -> quant.QuantLinear | None:
         if name == "lm_head":
-            return None
+            return quant.lm_head_format(weight, f"int4-g{group}")
         if name in codes:
             return codes[name]
         h, tokens = hessians[name]

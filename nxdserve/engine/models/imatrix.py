@@ -70,13 +70,13 @@ def weighted_int4(weight: torch.Tensor, group: int, mean_square: torch.Tensor) -
 def quantize_model_imatrix(model: Any, group: int, tokenizer_path: Path | str | None) -> None:
     """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group`` with the
     activation-weighted search (candidates ``quant.IMATRIX_STEP_DELTAS``), bias-corrected at the groups in
-    ``BIAS_CORRECTED_GROUPS``; the LM head stays dense."""
+    ``BIAS_CORRECTED_GROUPS``; the LM head as ``quant.lm_head_format``."""
     inputs = gptq.calibration_inputs(model, tokenizer_path)
     shifts: dict[str, torch.Tensor] = {}
 
     def make(name: str, weight: torch.Tensor) -> quant.QuantLinear | None:
         if name == "lm_head":
-            return None
+            return quant.lm_head_format(weight, f"int4-g{group}")
         c = inputs[name]
         q = weighted_int4(weight, group, c.gram.diagonal() / c.tokens)
         if group in BIAS_CORRECTED_GROUPS:

@@ -424,6 +424,27 @@ METHODS: dict[str, tuple[str, int]] = {
 }
 
 
+def quantize_q8_0(weight: torch.Tensor) -> QuantLinear:
+    """GGUF's Q8_0 layout from a dense (N, K) weight, K a multiple of 32: int8 codes, one scale (absmax / 127) per
+    32 inputs; what a Q4_1 GGUF file stores its LM head in."""
+    n, k = weight.shape
+    blocks = weight.detach().float().view(n, k // 32, 32)
+    scale = blocks.abs().amax(dim=2) / 127.0
+    codes = torch.round(blocks / scale.clamp_min(1e-30).unsqueeze(2)).clamp_(-127, 127).to(torch.int8)
+    return QuantLinear("q8_0", n, k, codes.view(n, k).contiguous(), scale.contiguous(), group=32, padded_in=k)
+
+
+def lm_head_format(weight: torch.Tensor, method: str) -> QuantLinear | None:
+    """The LM head under an online ``method``: dense (as vLLM's online methods leave it), except the 4-bit
+    methods' on an fp32 model, whose head is stored as Q8_0 blocks as in a Q4_1 GGUF file (the fp32 head was
+    113 of the 193 MB the default model's int4 decode step read, and 0.96x llama.cpp's single stream on its Q4_1
+    file with the AVX2 kernels; perplexity: docs/quantization.md)."""
+    kind, _ = METHODS[method]
+    if kind == "int4" and method != "rtn" and weight.dtype == torch.float32 and weight.shape[1] % 32 == 0:
+        return quantize_q8_0(weight)
+    return None
+
+
 def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
     """One weight in ``method``'s format, without calibration: for groups in ``CALIBRATED_GROUPS`` this is the
     plain search; ``quantize_model`` serves those with the calibrated one (``imatrix.py``, ``awq.py``)."""
@@ -461,15 +482,18 @@ def quantize_model(
             from nxdserve.engine.models.awq import SCALED_GROUPS, quantize_model_awq
             from nxdserve.engine.models.imatrix import quantize_model_imatrix
 
-            # The LM head stays dense, as below.
+            # The LM head as below (lm_head_format).
             if group in SCALED_GROUPS and not lora:
                 quantize_model_awq(model, group, checkpoint)
             else:
                 quantize_model_imatrix(model, group, checkpoint)
             return
-        # The LM head stays dense: on the default model quantizing the tied head too cost int8 1.6% and fp8 3%
-        # perplexity (over the 1% bound; perf_notes.md), as in vLLM, whose online methods leave it dense.
-        model.quantize_linears(lambda name, weight: None if name == "lm_head" else quantize(weight, method))
+        # The LM head stays dense for int8 / fp8 (lm_head_format): on the default model quantizing the tied head
+        # too cost int8 1.6% and fp8 3% perplexity (over the 1% bound; perf_notes.md), as in vLLM, whose online
+        # methods leave it dense.
+        model.quantize_linears(
+            lambda name, weight: lm_head_format(weight, method) if name == "lm_head" else quantize(weight, method)
+        )
         return
     from nxdserve.engine.models.gguf_weights import load_quantized_linears
 
