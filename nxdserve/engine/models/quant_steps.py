@@ -107,6 +107,8 @@ def _choose(runner: SlotModelRunner, mode: str) -> SmallStepChoice | None:
         if codes >= dense:
             break
         dense_above = rows
+    else:  # the codes won at every size timed (capped at the slots): the layers' own bound, as before
+        dense_above = quant.dense_rows
     choice = SmallStepChoice(dense_above, tuple(timings))
     fused.quantized_dense_above = dense_above
     return choice
