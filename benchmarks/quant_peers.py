@@ -118,7 +118,7 @@ def nxdserve_weight_bytes(
 
     ``quantization`` is the served --quantization (None, int8, fp8, int4 / int4-gN / rtn, gguf); the LM head
     stays dense in the model dtype except under gguf, where it is the file's token_embd (``head_kind``:
-    "q8_0" or "int4")."""
+    "q8_0" or "int4"), and under the 4-bit methods on an fp32 model, where it is Q8_0 (``quant.lm_head_format``)."""
     act = DTYPE_BYTES[dtype]
     kind = "dense"
     if quantization in ("int8", "rtn-int8"):
@@ -131,6 +131,8 @@ def nxdserve_weight_bytes(
         raise ValueError(f"no byte model for --quantization {quantization!r}")
     total = sum(linear_bytes(kind, n, k, act, rows, dense_above) for n, k in shape.linears())
     head = head_kind if quantization == "gguf" else "dense"
+    if kind == "int4" and quantization not in ("rtn", "gguf") and dtype == "float32" and shape.hidden % 32 == 0:
+        head = "q8_0"  # the 4-bit methods' head of an fp32 model (quant.lm_head_format)
     total += linear_bytes(head, shape.vocab, shape.hidden, act, rows)
     return total + shape.norm_params() * act
 

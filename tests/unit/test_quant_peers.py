@@ -71,15 +71,22 @@ def test_int8_and_int4_bytes_match_what_the_kernel_reads() -> None:
         assert qp.linear_bytes(kind, 48, 96, 4, rows=32) == 48 * 96 * 4  # the dense copy
 
 
-def test_quantized_formats_keep_the_head_dense_except_gguf() -> None:
+def test_quantized_formats_keep_the_head_dense_except_gguf_and_4_bit_fp32() -> None:
     shape = qp.ModelShape.from_config(TINY)
-    head_fp32 = 100 * 64 * 4
+    head_fp32, head_q8_0 = 100 * 64 * 4, qp.linear_bytes("q8_0", 100, 64, 4)
     int4 = qp.nxdserve_weight_bytes(shape, "float32", "int4")
     linears = sum(qp.linear_bytes("int4", n, k, 4) for n, k in shape.linears())
-    assert int4 == linears + head_fp32 + 5 * 64 * 4
+    assert int4 == linears + head_q8_0 + 5 * 64 * 4  # an fp32 model's 4-bit head is Q8_0 (quant.lm_head_format)
+    rtn = qp.nxdserve_weight_bytes(shape, "float32", "rtn")
+    assert rtn == linears + head_fp32 + 5 * 64 * 4  # vLLM's rtn keeps it dense
+    int4_bf16 = qp.nxdserve_weight_bytes(shape, "bfloat16", "int4")
+    assert int4_bf16 == sum(qp.linear_bytes("int4", n, k, 2) for n, k in shape.linears()) + 100 * 64 * 2 + 5 * 64 * 2
+    assert qp.nxdserve_weight_bytes(shape, "float32", "int8") == (
+        sum(qp.linear_bytes("int8", n, k, 4) for n, k in shape.linears()) + head_fp32 + 5 * 64 * 4
+    )
     gguf_int4_head = qp.nxdserve_weight_bytes(shape, "float32", "gguf", head_kind="int4")
     assert gguf_int4_head == linears + qp.linear_bytes("int4", 100, 64, 4) + 5 * 64 * 4
-    assert qp.nxdserve_weight_bytes(shape, "float32", "gguf", head_kind="q8_0") < int4  # a Q8_0 head, not fp32
+    assert qp.nxdserve_weight_bytes(shape, "float32", "gguf", head_kind="q8_0") == int4
     assert qp.nxdserve_weight_bytes(shape, "float32", "int4-g64") == int4  # scales are kept per 32 either way
     with pytest.raises(ValueError, match="awq"):
         qp.nxdserve_weight_bytes(shape, "float32", "awq")
