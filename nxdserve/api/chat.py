@@ -150,8 +150,8 @@ async def create_chat_completion(request: Request) -> Response | EventStreamResp
         assert isinstance(processed, ProcessedPrompt)
         prompt = processed
     children = fan_out(params)
-    response_id = f"chatcmpl-{base_request_id(request)}"
-    ids = engine_request_ids(request, response_id, len(children))
+    response_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
+    ids = engine_request_ids(request, response_id, len(children), req.request_id)
     lora = state.lora_for(model)
     calls = [EngineCall(prompt, c, rid, req.add_special_tokens, lora, req.priority)
              for c, rid in zip(children, ids, strict=True)]

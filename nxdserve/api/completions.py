@@ -46,8 +46,8 @@ async def create_completion(request: Request) -> Response | EventStreamResponse:
     apply_structured_defaults(params, engine.config)
     await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
     children = fan_out(params)
-    response_id = f"cmpl-{base_request_id(request)}"
-    ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children)))
+    response_id = f"cmpl-{base_request_id(request, req.request_id)}"
+    ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children), req.request_id))
     lora = state.lora_for(model)
     calls = [EngineCall(prompt, c, next(ids), req.add_special_tokens, lora, req.priority)
              for prompt in prompts for c in children]

@@ -35,19 +35,41 @@ _VLLM_DEFAULTS: dict[str, float | int] = {
 PromptInput = str | list[int]
 
 
-# vLLM request fields nxdserve does not implement: a request that sets one gets a 400 naming it, never a silent
-# no-op (fields OpenAI's SDK sends by default are not here).
+# vLLM and OpenAI request fields nxdserve does not implement: a request that sets one gets a 400 naming it, never
+# a silent no-op (fields OpenAI's SDK sends by default are not here). ``echo`` and ``prompt_logprobs`` reach this
+# list only on chat (completions implement both).
 UNSUPPORTED_FIELDS = ("logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "documents",
                       "length_penalty", "prompt_embeds", "prediction", "audio", "functions", "function_call",
-                      "reasoning_effort", "web_search_options", "cache_salt", "media_io_kwargs")
+                      "reasoning_effort", "web_search_options", "cache_salt", "media_io_kwargs", "echo",
+                      "prompt_logprobs", "return_token_ids", "logprob_token_ids", "truncation_side",
+                      "repetition_detection", "verbosity", "thinking_token_budget")
+
+# OpenAI fields that ask nothing of a server without storage or tiers, accepted with the values that mean just
+# that (None: any value, the field being a label or hint only); another value is a 400 naming the field.
+NO_OP_FIELDS: dict[str, tuple[Any, ...] | None] = {
+    "store": (None, False),  # OpenAI keeps the completion for its dashboard: nothing is stored here
+    "metadata": None,  # labels for stored completions
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
+    "prompt_cache_key": None,  # a routing hint for OpenAI's cache; prefix caching here matches by content
+    "safety_identifier": None,  # an end-user id for abuse monitoring, like ``user``
+    "include_reasoning": (None, True),  # vLLM's default: reasoning_content is returned (--reasoning-parser)
+}
 
 
 def check_common(req: SamplingRequest) -> None:
     """vLLM's request-level checks shared by both generation endpoints."""
     extra = req.model_extra or {}
-    for name in UNSUPPORTED_FIELDS:
-        if extra.get(name) not in (None, [], {}, ""):
-            raise APIError(f"{name} is not supported by this server.", param=name)
+    for name, value in extra.items():
+        if name in UNSUPPORTED_FIELDS:
+            if not (value is None or value is False or value in ([], {}, "")):  # set to something
+                raise APIError(f"{name} is not supported by this server.", param=name)
+            continue
+        if name not in NO_OP_FIELDS:
+            raise APIError(f"Unrecognized request argument supplied: {name}", param=name)
+        allowed = NO_OP_FIELDS[name]
+        if allowed is not None and value not in allowed:
+            raise APIError(f"{name} = {value!r} is not supported by this server.", param=name)
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.use_beam_search:

@@ -2,7 +2,8 @@
 
 Pydantic checks types and the few bounds vLLM puts in the schema (seed within int64); range checks
 on sampling values are SamplingParams.validate's, so the engine and the API say the same thing.
-Unknown fields are accepted and ignored (``extra="allow"``), as vLLM does.
+Unknown fields parse (``extra="allow"``) so that ``params.check_common`` can name them in a 400: vLLM accepts
+and logs them, OpenAI refuses them, and a field nxdserve would ignore must not look honoured.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class SamplingRequest(OpenAIModel):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     priority: int = 0
+    request_id: str | None = None  # vLLM's: the response id's suffix (an X-Request-Id header wins)
 
 
 class CompletionRequest(SamplingRequest):

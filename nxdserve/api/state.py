@@ -70,19 +70,21 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.nxdserve
 
 
-def client_request_id(request: Request) -> str | None:
-    return request.scope.get("state", {}).get("client_request_id")
+def client_request_id(request: Request, body_id: str | None = None) -> str | None:
+    """The id the client chose: its X-Request-Id header, else the body's ``request_id`` (vLLM's order)."""
+    return request.scope.get("state", {}).get("client_request_id") or body_id or None
 
 
-def base_request_id(request: Request) -> str:
-    """X-Request-Id if the client sent one (vLLM's rule), else a fresh uuid."""
-    return client_request_id(request) or uuid.uuid4().hex
+def base_request_id(request: Request, body_id: str | None = None) -> str:
+    """The client's id (``client_request_id``) if it sent one, else a fresh uuid."""
+    return client_request_id(request, body_id) or uuid.uuid4().hex
 
 
-def engine_request_ids(request: Request, response_id: str, count: int) -> list[str]:
-    """Engine ids for the request's choices. Clients may reuse an X-Request-Id, so ids built from
+def engine_request_ids(request: Request, response_id: str, count: int, body_id: str | None = None) -> list[str]:
+    """Engine ids for the request's choices. Clients may reuse an id of their own, so ids built from
     one get a random suffix to stay unique inside the engine."""
-    base = response_id if client_request_id(request) is None else f"{response_id}-{uuid.uuid4().hex[:8]}"
+    reused = client_request_id(request, body_id) is not None
+    base = f"{response_id}-{uuid.uuid4().hex[:8]}" if reused else response_id
     return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
 
 

@@ -192,8 +192,58 @@ async def test_request_id_header_is_honoured(http: httpx.AsyncClient) -> None:
     assert r.json()["id"] == "cmpl-my-id-1"
 
 
-async def test_unknown_fields_are_ignored(http: httpx.AsyncClient) -> None:
-    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "no_such_field": {"a": 1}})
+async def test_request_id_field_names_the_response(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "request_id": "body-7"})
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "cmpl-body-7"
+    r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 1, "request_id": "body-8"})
+    assert r.json()["id"] == "chatcmpl-body-8"
+    # The header wins over the body (vLLM's order).
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "request_id": "body-9"},
+                        headers={"X-Request-Id": "head-9"})
+    assert r.json()["id"] == "cmpl-head-9"
+
+
+async def test_unknown_fields_are_400s_naming_them(http: httpx.AsyncClient) -> None:
+    """As OpenAI's API does: a misspelt field must not look honoured (vLLM only logs it)."""
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = await http.post(path, json={**body, "max_tokens": 1, "temprature": 0.5})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "temprature" and "temprature" in error["message"]
+
+
+@pytest.mark.parametrize(("field", "accepted", "refused"), [
+    ("store", False, True),
+    ("service_tier", "auto", "flex"),
+    ("modalities", ["text"], ["text", "audio"]),
+    ("include_reasoning", True, False),
+])
+async def test_openai_no_op_fields_accept_only_their_no_op_values(
+    http: httpx.AsyncClient, field: str, accepted: object, refused: object
+) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    r = await http.post("/v1/chat/completions", json={**body, field: accepted})
+    assert r.status_code == 200, r.text
+    r = await http.post("/v1/chat/completions", json={**body, field: refused})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+async def test_labels_and_hints_are_accepted(http: httpx.AsyncClient) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 1, "metadata": {"team": "a"}, "prompt_cache_key": "k",
+            "safety_identifier": "u1", "user": "u1"}
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+async def test_chat_refuses_the_fields_only_completions_implement(http: httpx.AsyncClient) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for field, value in (("echo", True), ("prompt_logprobs", 1), ("return_token_ids", True)):
+        r = await http.post("/v1/chat/completions", json={**body, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = await http.post("/v1/chat/completions", json={**body, "echo": False})  # unset in effect
     assert r.status_code == 200, r.text
 
 
