@@ -27,7 +27,7 @@ from nxdserve.api.lora import runtime_updates_allowed as runtime_lora_updates_al
 from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware, load_user_middleware
 from nxdserve.api.multimodal import MediaOptions
 from nxdserve.api.openapi import openapi_schema
-from nxdserve.api.params import check_token_ids
+from nxdserve.api.params import check_token_ids, refuse_extra_fields
 from nxdserve.api.protocol import DetokenizeRequest, TokenizeRequest
 from nxdserve.api.responses import (
     DetokenizeResponse,
@@ -91,6 +91,7 @@ async def list_models(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     state = get_state(request)
     req = await parse(request, TokenizeRequest)
+    refuse_extra_fields(req)
     state.resolve_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Exactly one of `prompt` or `messages` must be given.", param="prompt")
@@ -112,6 +113,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state = get_state(request)
     req = await parse(request, DetokenizeRequest)
+    refuse_extra_fields(req)
     state.resolve_model(req.model)
     check_token_ids(req.tokens, int(state.engine.vocab_size), param="tokens")
     return JSONResponse(DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens)).model_dump())

@@ -13,6 +13,7 @@ from nxdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionPrompt,
     CompletionRequest,
+    OpenAIModel,
     SamplingRequest,
 )
 from nxdserve.api.structured import structured_outputs_of
@@ -55,6 +56,14 @@ NO_OP_FIELDS: dict[str, tuple[Any, ...] | None] = {
     "safety_identifier": None,  # an end-user id for abuse monitoring, like ``user``
     "include_reasoning": (None, True),  # vLLM's default: reasoning_content is returned (--reasoning-parser)
 }
+
+
+def refuse_extra_fields(req: OpenAIModel) -> None:
+    """/tokenize and /detokenize: every field they do not declare is a 400 naming it."""
+    for name in req.model_extra or {}:
+        known = name in UNSUPPORTED_FIELDS or name in ("chat_template", "mm_processor_kwargs")
+        reason = "is not supported by this server." if known else "is not a field of this endpoint."
+        raise APIError(f"Unrecognized request argument supplied: {name}: it {reason}", param=name)
 
 
 def check_common(req: SamplingRequest) -> None:

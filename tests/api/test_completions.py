@@ -271,3 +271,11 @@ async def test_vllm_extra_params(client: AsyncOpenAI) -> None:
     assert resp.model == "smol-alias"
     assert resp.usage is not None and 2 <= resp.usage.completion_tokens <= 4
     assert not resp.choices[0].text.startswith(" Paris")  # token 7042 is " Paris", biased away
+
+
+async def test_tokenize_refuses_unknown_fields(http: httpx.AsyncClient) -> None:
+    r = await http.post("/tokenize", json={"prompt": "hi", "chat_template": "{{ x }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    r = await http.post("/detokenize", json={"tokens": [1, 2], "skip_special": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special", r.text
+    assert (await http.post("/tokenize", json={"prompt": "hi"})).status_code == 200
