@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 GREEDY_EPS = 1e-5  # temperatures below it are greedy (the batch stores 0.0 for them); the one definition
+TOP_K_ALL = 2**31 - 1  # top_k at or above every vocabulary size: no top-k truncation
 
 
 class OutputKind(enum.Enum):
@@ -60,6 +61,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        # Any k beyond every vocabulary keeps every token: held to one the per-slot int arrays can store.
+        self.top_k = min(self.top_k, TOP_K_ALL)
 
     @property
     def is_greedy(self) -> bool:

@@ -137,6 +137,16 @@ def test_mixed_parameters_in_one_batch() -> None:
         assert tv(got, expected_probs(logits.numpy(), **case)) < 0.02
 
 
+def test_a_top_k_beyond_any_int_samples_the_whole_vocabulary() -> None:
+    """top_k = 2**70 (a client may send it) reaches the per-slot arrays as 'no top-k', not an overflow."""
+    vocab, reps = 10, 12_000
+    logits = torch.linspace(1.5, -1.5, vocab)
+    batch = make_batch([SamplingParams(temperature=1.0, top_k=2**70)])
+    slots = np.zeros(reps, dtype=np.int64)
+    out = Sampler(vocab, CPU, seed=3).sample(logits.expand(reps, vocab), slots, batch)
+    assert tv(empirical(out.token_ids, vocab), expected_probs(logits.numpy(), 1.0)) < 0.02
+
+
 @pytest.mark.parametrize("ladder", [(), (3, 8), (16,)])
 def test_thresholds_keep_exactly_the_reference_support(ladder: tuple[int, ...]) -> None:
     """The top-k/top-p/min-p cut agrees with the reference on many random rows, whatever the ladder."""
