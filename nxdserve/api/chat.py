@@ -17,7 +17,7 @@ from nxdserve.api.errors import APIError, sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import TokenIdNames, chat_logprobs
 from nxdserve.api.multimodal import load_chat_images, require_image_support
-from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out, fan_out
+from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out
 from nxdserve.api.protocol import ChatCompletionRequest, ChatMessage
 from nxdserve.api.responses import (
     ChatChoice,
@@ -32,6 +32,7 @@ from nxdserve.api.responses import (
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
 from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, TextChunkFrames, respond, sse_frame
+from nxdserve.engine.choices import child_params
 from nxdserve.engine.outputs import Logprob
 from nxdserve.engine.prompts import ProcessedPrompt
 from nxdserve.errors import NxdServeError
@@ -149,7 +150,7 @@ async def create_chat_completion(request: Request) -> Response | EventStreamResp
         )
         assert isinstance(processed, ProcessedPrompt)
         prompt = processed
-    children = fan_out(params)
+    children = child_params(params)
     response_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
     ids = engine_request_ids(request, response_id, len(children), req.request_id)
     lora = state.lora_for(model)

@@ -17,7 +17,6 @@ from nxdserve.api.params import (
     build_sampling_params,
     check_completion,
     check_fan_out,
-    fan_out,
     normalize_prompts,
 )
 from nxdserve.api.protocol import CompletionRequest
@@ -31,6 +30,7 @@ from nxdserve.api.responses import (
 )
 from nxdserve.api.state import ServerState, base_request_id, engine_request_ids, get_state, parse
 from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, TextChunkFrames, respond, sse_frame
+from nxdserve.engine.choices import child_params
 from nxdserve.engine.outputs import Logprob
 
 
@@ -45,7 +45,7 @@ async def create_completion(request: Request) -> Response | EventStreamResponse:
     params = build_sampling_params(req, engine.generation_defaults, engine.vocab_size, state.max_logprobs)
     apply_structured_defaults(params, engine.config)
     await engine.prepare(params)  # structured outputs: the grammar compiles off the event loop
-    children = fan_out(params)
+    children = child_params(params)
     response_id = f"cmpl-{base_request_id(request, req.request_id)}"
     ids = iter(engine_request_ids(request, response_id, len(prompts) * len(children), req.request_id))
     lora = state.lora_for(model)

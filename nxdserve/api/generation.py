@@ -8,20 +8,17 @@ guarantees no slot outlives its HTTP request.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from nxdserve.api.engine_protocol import EngineClient
+from nxdserve.engine.choices import abort_all, merge
 from nxdserve.engine.outputs import Logprob, LogprobsList, RequestOutput
 from nxdserve.engine.prompts import ProcessedPrompt
 from nxdserve.errors import RequestFailedError
 from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 class RequestStream(Protocol):
@@ -60,44 +57,6 @@ def start_requests(engine: EngineClient, calls: Sequence[EngineCall]) -> list[Re
         abort_all(streams)
         raise
     return streams
-
-
-def abort_all(streams: Sequence[RequestStream]) -> None:
-    for stream in streams:
-        try:
-            stream.abort()
-        except Exception:  # abort must never mask the error that brought us here
-            logger.exception("abort failed")
-
-
-async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (choice index, output) from all streams as outputs arrive, until each has finished.
-    Closing this generator early aborts every stream."""
-    try:
-        if len(streams) == 1:  # the common case: no helper tasks
-            async for out in streams[0]:
-                yield 0, out
-            return
-        iterators = [s.__aiter__() for s in streams]
-        pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=pending.__getitem__):
-                    i = pending.pop(task)
-                    try:
-                        out = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    yield i, out
-                    if not out.finished:
-                        pending[asyncio.ensure_future(anext(iterators[i]))] = i
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-    finally:
-        abort_all(streams)
 
 
 @dataclass

@@ -3,13 +3,11 @@ SamplingParams with generation-config defaults applied, and the n-way fan-out.""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from nxdserve.api.errors import APIError
 from nxdserve.api.protocol import (
-    INT64_MIN,
     ChatCompletionRequest,
     CompletionPrompt,
     CompletionRequest,
@@ -17,12 +15,12 @@ from nxdserve.api.protocol import (
     SamplingRequest,
 )
 from nxdserve.api.structured import structured_outputs_of
+from nxdserve.engine.choices import MAX_CHOICES
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from nxdserve.tools.flags import check_chat_template_flags
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 # Each choice is one engine request; bound the fan-out so one request cannot flood the queue.
-MAX_CHOICES_PER_REQUEST = 256
 EMPTY_PROMPT_MESSAGE = "Either prompt or prompt_embeds must be provided and non-empty."
 # vLLM's _DEFAULT_SAMPLING_PARAMS: used when neither the request nor generation_config.json sets one.
 _VLLM_DEFAULTS: dict[str, float | int] = {
@@ -203,23 +201,9 @@ def build_sampling_params(
     return params
 
 
-def _wrap_int64(value: int) -> int:
-    return (value - INT64_MIN) % 2**64 + INT64_MIN
-
-
-def fan_out(params: SamplingParams) -> list[SamplingParams]:
-    """One single-choice SamplingParams per choice; with a seed, child i gets seed + i (vLLM's rule)."""
-    if params.n == 1:
-        return [params]
-    return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else _wrap_int64(params.seed + i))
-        for i in range(params.n)
-    ]
-
-
 def check_fan_out(num_prompts: int, n: int) -> None:
-    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+    if num_prompts * n > MAX_CHOICES:
         raise APIError(
-            f"A request may ask for at most {MAX_CHOICES_PER_REQUEST} choices (prompts x n); got {num_prompts} x {n}.",
+            f"A request may ask for at most {MAX_CHOICES} choices (prompts x n); got {num_prompts} x {n}.",
             param="n",
         )

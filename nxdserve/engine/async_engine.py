@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from nxdserve.config import EngineConfig
+from nxdserve.engine.choices import MAX_CHOICES, ParentOutputs, abort_all, child_params, merge
 from nxdserve.engine.core import (
     AwaitForwardStarted,
     AwaitResult,
@@ -392,8 +394,26 @@ class AsyncEngine:
         """vLLM's ``AsyncLLM.generate``: ``priority`` (keyword) needs ``scheduling_policy="priority"``; lower
         is served first."""
         params = params or SamplingParams()
+        if not 1 <= params.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}], got {params.n}.", param="n")
         await self.prepare(params)
         prompt = await self.process_prompt(prompt, add_special_tokens)
+        if params.n > 1:  # one engine request per choice (the core runs single sequences), merged
+            base = request_id or uuid.uuid4().hex
+            streams: list[RequestStream] = []
+            try:
+                for i, child in enumerate(child_params(params)):
+                    streams.append(self.add_request(prompt, child, f"{base}-{i}", add_special_tokens, lora_request,
+                                                    priority))  # fmt: skip
+            except BaseException:
+                abort_all(streams)
+                raise
+            parent = ParentOutputs(base, params.n, params.output_kind)
+            async for i, out in merge(streams):  # aborts every choice however it ends
+                folded = parent.update(i, out)
+                if folded is not None:
+                    yield folded
+            return
         stream = self.add_request(prompt, params, request_id, add_special_tokens, lora_request, priority)
         try:
             async for out in stream:

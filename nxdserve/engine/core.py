@@ -233,6 +233,11 @@ class EngineCore:
             )
         if lora is not None and self.lora is None:
             raise InvalidRequestError("LoRA adapters are not enabled (start with --enable-lora).", param="model")
+        if params.n != 1:  # AsyncEngine.generate and the API start one request per choice (engine/choices.py)
+            raise InvalidRequestError(
+                f"A single engine request runs one sequence, got n={params.n}: use AsyncEngine.generate, which "
+                "starts one request per choice, or add n requests.", param="n",
+            )
         if request_id is None:
             request_id = uuid.uuid4().hex
         if request_id in self.scheduler.requests:
@@ -275,6 +280,11 @@ class EngineCore:
                     "of the input prompt or the number of requested output tokens.",
                     param="max_tokens",
                 )
+        if params.min_tokens > max_tokens:  # vLLM's check, once max_tokens is known
+            raise InvalidRequestError(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {params.min_tokens}.",
+                param="min_tokens",
+            )
         if self.config.max_waiting is not None and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(
                 f"The waiting queue is full ({self.config.max_waiting} requests); retry later."

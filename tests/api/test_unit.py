@@ -14,9 +14,10 @@ from pydantic import ValidationError
 from nxdserve.api.errors import APIError, from_exception, sse_error_frame
 from nxdserve.api.generation import merge
 from nxdserve.api.logprobs import chat_logprobs, completion_logprobs
-from nxdserve.api.params import build_sampling_params, fan_out, normalize_prompts
+from nxdserve.api.params import build_sampling_params, normalize_prompts
 from nxdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from nxdserve.api.streaming import DONE_FRAME, EventStreamResponse, sse_frame
+from nxdserve.engine.choices import child_params
 from nxdserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nxdserve.errors import QueueFullError, RequestFailedError, RequestTooLongError
 
@@ -66,10 +67,11 @@ def test_echo_implies_prompt_logprobs_and_zero_tokens_generates_one() -> None:
 
 def test_fan_out_seeds_children() -> None:
     req = CompletionRequest.model_validate({"prompt": "x", "n": 3, "seed": 2**63 - 2})
-    children = fan_out(build_sampling_params(req, {}, VOCAB, 20))
+    children = child_params(build_sampling_params(req, {}, VOCAB, 20))
     assert [c.n for c in children] == [1, 1, 1]
     assert [c.seed for c in children] == [2**63 - 2, 2**63 - 1, -(2**63)]  # wraps within int64
-    unseeded = fan_out(build_sampling_params(CompletionRequest.model_validate({"prompt": "x", "n": 2}), {}, VOCAB, 20))
+    two = CompletionRequest.model_validate({"prompt": "x", "n": 2})
+    unseeded = child_params(build_sampling_params(two, {}, VOCAB, 20))
     assert [c.seed for c in unseeded] == [None, None]
 
 

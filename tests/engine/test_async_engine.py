@@ -139,6 +139,59 @@ async def _collect(gen: AsyncIterator[object]) -> list:  # type: ignore[type-arg
     return [o async for o in gen]
 
 
+def _sampled(n: int, kind: OutputKind, seed: int = 5) -> SamplingParams:
+    return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True, output_kind=kind)
+
+
+async def test_n_choices_fold_into_the_parent_output_in_every_kind(engine: AsyncEngine) -> None:
+    """n > 1 on the embedded engine: one output stream whose CompletionOutputs carry their choice's index, each
+    choice the sequence a single request seeded seed + i gives (vLLM's rule)."""
+    singles = [(await _collect(engine.generate("Once upon a time", _sampled(1, OutputKind.FINAL_ONLY, 5 + i))))
+               [-1].outputs[0].token_ids for i in range(3)]  # fmt: skip
+    assert len({tuple(t) for t in singles}) > 1  # the seeds differ, so the choices can be told apart
+    [final] = await _collect(engine.generate("Once upon a time", _sampled(3, OutputKind.FINAL_ONLY), request_id="p"))
+    assert final.finished and final.request_id == "p"
+    assert [c.index for c in final.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in final.outputs] == singles
+    deltas = await _collect(engine.generate("Once upon a time", _sampled(3, OutputKind.DELTA)))
+    assert [o.finished for o in deltas] == [False] * (len(deltas) - 1) + [True]
+    joined: dict[int, list[int]] = {}
+    for out in deltas:
+        (choice,) = out.outputs
+        joined.setdefault(choice.index, []).extend(choice.token_ids)
+    assert [joined[i] for i in range(3)] == singles
+    cumulative = await _collect(engine.generate("Once upon a time", _sampled(3, OutputKind.CUMULATIVE)))
+    assert [c.token_ids for c in cumulative[-1].outputs] == singles and cumulative[-1].finished
+    assert engine.stats().num_running == 0
+
+
+async def test_n_is_bounded_and_a_single_request_refuses_it(engine: AsyncEngine) -> None:
+    for n in (0, 257):
+        with pytest.raises(InvalidRequestError, match="n must be"):
+            await _collect(engine.generate("Hi", _sampled(n, OutputKind.FINAL_ONLY)))
+    with pytest.raises(InvalidRequestError, match="one sequence"):
+        engine.add_request("Hi", _sampled(2, OutputKind.FINAL_ONLY))
+
+
+async def test_breaking_out_of_n_choices_frees_every_slot(engine: AsyncEngine) -> None:
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=200, ignore_eos=True)
+    async for _ in engine.generate("Tell me a long story.", params):
+        break
+    for _ in range(200):
+        if engine.stats().num_running == 0 and engine.stats().num_waiting == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
+async def test_min_tokens_beyond_the_room_left_is_a_typed_error(engine: AsyncEngine) -> None:
+    """With max_tokens unset the room left in the context is the limit; min_tokens above it (even one no int64
+    holds) is refused before it reaches the batch, where it would fail the whole step."""
+    for min_tokens in (10**6, 2**70):
+        with pytest.raises(InvalidRequestError, match="min_tokens"):
+            engine.add_request("Hi", SamplingParams(min_tokens=min_tokens))
+
+
 async def test_backend_failure_finishes_requests_with_error_then_engine_dies() -> None:
     eng = AsyncEngine(EngineConfig(dtype="float32", backend="torch", max_model_len=128, max_num_seqs=2))
     await eng.start()
