@@ -26,7 +26,7 @@ from nxdserve.cli_args.config_file import expand_config_file
 from nxdserve.config import EngineConfig
 from nxdserve.cpu_options import add_cpu_arguments, cpu_options_from_args, set_openmp_wait_policy
 from nxdserve.engine.dp.args import add_data_parallel_args, apply_data_parallel_args
-from nxdserve.errors import ConfigError
+from nxdserve.errors import ConfigError, NxdServeError
 from nxdserve.lora.request import LoRARequest
 from nxdserve.tools.flags import add_chat_arguments, chat_config_kwargs
 
@@ -239,6 +239,8 @@ def check_combination(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value and not Path(value).is_file():
             raise ConfigError(f"--{name.replace('_', '-')} {value!r}: no such file.")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: a TCP port is 0-65535.")
     if args.uds and Path(args.uds).is_dir():
         raise ConfigError(f"--uds {args.uds!r} is a folder; give a socket file path.")
     _check_model_is_local(args)
@@ -336,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return run_server_loop(lambda: serve(config, opts), use_uvloop=opts.uvloop)
-    except ConfigError as exc:
+    except NxdServeError as exc:  # a start-up refusal (a flag, a LoRA adapter, ...): one line, no traceback
         logging.getLogger("nxdserve").error("%s", exc)
         return 2
 

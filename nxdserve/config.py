@@ -147,6 +147,9 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}.")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            # checked on every device (vLLM's bound), though only CUDA sizes the KV cache from it
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.whole_prompt_overflow is None:
             cpu_default = on_cpu and self.enable_chunked_prefill and self.max_num_batched_tokens is None
             self.whole_prompt_overflow = (

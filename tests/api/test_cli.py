@@ -176,3 +176,16 @@ def test_process_serves_then_drains_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_engine_refusal_at_start_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
+    """A refusal raised while the engine starts (here a --lora-modules folder with no adapter) ends the process
+    with the reason on one line, not a traceback."""
+    cmd = [
+        sys.executable, "-m", "nxdserve.cli", "--port", str(_free_port()), "--backend", "torch", "--dtype", "float32",
+        "--max-model-len", "256", "--max-num-seqs", "2", "--enable-lora", "--lora-modules", f"x={tmp_path}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no adapter_config.json" in done.stderr and "Traceback" not in done.stderr

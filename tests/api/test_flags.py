@@ -159,6 +159,7 @@ def test_server_switches_map_to_options() -> None:
         (["--additional-config", '{"other": 1}'], "only override_neuron_config"),
         (["--generation-config", "/no/such/folder"], "generation_config.json"),
         (["--quantization", "gguf", "--model", "/m"], ".gguf file"),
+        (["--port", "70000"], "0-65535"),
     ],
 )
 def test_bad_combinations_fail_at_start(argv: list[str], words: str) -> None:

@@ -7,6 +7,7 @@ import pytest
 from nxdserve.config import DEFAULT_CHUNKED_BATCHED_TOKENS, DEFAULT_CPU_CHUNKED_BATCHED_TOKENS, EngineConfig
 from nxdserve.engine import backends
 from nxdserve.engine.loader import default_chunked_budget, torch_on_cpu
+from nxdserve.errors import ConfigError
 
 
 def test_cpu_torch_backend_gets_the_small_chunked_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,3 +38,11 @@ def test_chunked_budget_never_below_max_num_seqs_and_explicit_value_wins() -> No
     assert config.max_num_batched_tokens == 300
     config = EngineConfig(enable_chunked_prefill=False).resolve(2048, chunked_token_budget=96)
     assert config.max_num_batched_tokens == 2048  # prefill-first: a whole prompt fits one step
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5, -0.2])
+def test_gpu_memory_utilization_is_bounded_on_every_device(fraction: float) -> None:
+    """vLLM's (0, 1]: refused at start even on a CPU, where it sizes nothing."""
+    with pytest.raises(ConfigError, match="gpu-memory-utilization"):
+        EngineConfig(gpu_memory_utilization=fraction).resolve(2048, chunked_token_budget=96, on_cpu=True)
+    EngineConfig(gpu_memory_utilization=0.5).resolve(2048, chunked_token_budget=96, on_cpu=True)
