@@ -1,5 +1,5 @@
 """From a validated request model to engine inputs: checks the schema cannot express, the
-SamplingParams with generation-config defaults applied, and the n-way fan-out."""
+SamplingParams with generation-config defaults applied, and the bound on choices (the fan-out: engine/choices.py)."""
 
 from __future__ import annotations
 
