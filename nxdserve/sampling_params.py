@@ -11,8 +11,8 @@ from nxdserve.errors import InvalidRequestError
 if TYPE_CHECKING:
     from nxdserve.engine.structured.spec import StructuredOutputsParams
 
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 GREEDY_EPS = 1e-5  # temperatures below it are greedy (the batch stores 0.0 for them); the one definition
 TOP_K_ALL = 2**31 - 1  # top_k at or above every vocabulary size: no top-k truncation
 
@@ -100,7 +100,7 @@ class SamplingParams:
             raise bad(
                 "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}."
             )
-        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise bad("seed", f"seed must be a 64-bit integer, got {self.seed}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")

@@ -15,16 +15,15 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from nxdserve.engine.outputs import CompletionOutput, RequestOutput
-from nxdserve.sampling_params import OutputKind, SamplingParams
+from nxdserve.sampling_params import INT64_MIN, OutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_CHOICES = 256  # choices one request may ask for (prompts x n at the API): each holds a slot while it runs
-_INT64_MIN = -(2**63)
 
 
 def _wrap_int64(value: int) -> int:
-    return (value - _INT64_MIN) % 2**64 + _INT64_MIN
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def child_params(params: SamplingParams) -> list[SamplingParams]:

@@ -63,8 +63,7 @@ def kv_budget(config: EngineConfig, device_type: str, model_path: Path) -> KVBud
         return None
     if config.gpu_memory_utilization is None:
         return None
-    if not 0 < config.gpu_memory_utilization <= 1:
-        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}.")
+    # its range is EngineConfig.resolve's check, run before any sizing
     import torch
 
     _, total = torch.cuda.mem_get_info()
