@@ -7,7 +7,8 @@ one decode step reads over ``--bandwidth-gbs``) and writes JSON.
         [--configs float32 float32/gguf ...] [--cpu-quant-dense-rows N]
 
 Configs are ``dtype`` or ``dtype/quantization``, optionally suffixed ``+i8`` (``CpuOptions.quant_int8_activations``:
-the small-row kernels round the activations to int8, csrc/qgemm_i8.c) and then ``~unfused``
+the small-row kernels round the activations to int8, csrc/qgemm_i8.c) or ``+bf16w`` (``CpuOptions.bf16_weights``: a
+dense fp32 model's linears kept in bf16, ``float32+bf16w``) and then ``~unfused``
 (``--no-cpu-fused-quant-decode``: quantized steps layer by layer); ``--rounds N`` runs the list N times (interleaved
 A/B: ``--configs auto auto+i8 auto~unfused --rounds 3``). It runs on any tree whose EngineConfig has ``quantization``
 (main's too: run it from /work/main with main's PYTHONPATH for a before/after in the same session).
@@ -82,12 +83,15 @@ def main() -> None:
     for spec in [c for _ in range(args.rounds) for c in args.configs]:
         base_spec, _, variant = spec.partition("~")
         base_spec, int8_activations = base_spec.removesuffix("+i8"), base_spec.endswith("+i8")
+        base_spec, bf16_weights = base_spec.removesuffix("+bf16w"), base_spec.endswith("+bf16w")
         dtype, _, method = base_spec.partition("/")
         options: dict[str, object] = dict(cpu_kw)
         if variant == "unfused":
             options["fused_quant_decode"] = False
         if int8_activations:
             options["quant_int8_activations"] = True
+        if bf16_weights:
+            options["bf16_weights"] = True
         config = EngineConfig(model=args.model, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
                               max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**options))  # type: ignore[arg-type]
         core, _ = build_engine_core(config, with_metrics=False)

@@ -44,6 +44,11 @@ class CpuOptions:
     # the 4-bit / int8 codes (csrc/qgemm_i8.c). Off: results change (the activations' rounding), so opt-in.
     quant_int8_activations: bool = False
     quant_small_steps: SmallSteps = "measure"  # see SmallSteps (engine/models/quant_steps.py)
+    # A dense fp32 model's linears stored in bf16 and multiplied in fp32 by the C kernel's bf16 rows (steps of up
+    # to quant_dense_rows rows; a dense fp32 copy above, as for the quantized formats). Opt-in: measured faster
+    # for one stream where the weights stream from memory, but with the copies it holds 1.5x fp32's memory and
+    # without them (quant_dense_rows 0) batched steps are slower (docs/quantization.md, "bf16 weights").
+    bf16_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_CHOICES:
@@ -108,6 +113,13 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "to int8 per 32 columns and take integer dot products (faster; results change slightly, so off by default)",
     )
     group.add_argument(
+        "--cpu-bf16-weights",
+        action="store_true",
+        help="a dense fp32 model (a CPU without native bf16, or --dtype float32): keep its linears in bf16 and "
+        "multiply them in fp32 with the C kernel for steps of up to --cpu-quant-dense-rows rows (half the bytes "
+        "a decode step reads; a dense fp32 copy above, 0 = none)",
+    )
+    group.add_argument(
         "--cpu-quant-small-steps",
         default=CpuOptions.quant_small_steps,
         choices=SMALL_STEP_CHOICES,
@@ -125,6 +137,7 @@ def cpu_options_from_args(args: argparse.Namespace) -> CpuOptions:
         quant_dense_rows=args.cpu_quant_dense_rows,
         quant_int8_activations=args.cpu_quant_int8_activations,
         quant_small_steps=args.cpu_quant_small_steps,
+        bf16_weights=args.cpu_bf16_weights,
         **switches,
     )
 

@@ -41,7 +41,7 @@ typedef struct qd_linear {
 
 static inline qd_linear qd_lin(const void* const* p, int32_t fmt, int64_t K) {
     qd_linear l = {fmt, (const uint8_t*)p[0], (const float*)p[1], (const float*)p[2], (const float*)p[3], K / QB,
-                   fmt == 0 ? K / 2 : K};
+                   q_row_bytes(fmt, K)};
     return l;
 }
 

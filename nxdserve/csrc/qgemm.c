@@ -11,6 +11,8 @@
      unpack, convert, FMA.
    - q8 (format 1): int8 codes (N, K), scale[n, b]; w = code * scale.
    - fp8 (format 2): e4m3fn codes (N, K), scale[n, b] (a row scale is repeated per block); w = code * scale.
+   - bf16 (format 3): bf16 weights (N, K), no scale: a bf16 value is the top half of an fp32's bits, so widening
+     is a shift. For CPUs without native bf16 arithmetic: half of fp32's bytes read, fp32 products.
    Rows of N are shared out to the threads; each thread streams its rows' codes once for all M rows (in tiles of up
    to QT rows of x, whose accumulators stay in registers). */
 
@@ -78,17 +80,24 @@ static inline void fp8_widen(const uint8_t* p, __m256 q[4]) {
     }
 }
 
+/* bf16: each 16-bit value zero-extended into a 32-bit lane and shifted up is the fp32 it stands for. */
+static inline void bf16_widen(const uint8_t* p, __m256 q[4]) {
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * j))), 16));
+}
+
 /* acc[m] (m < MT) = sum over blocks of scale[b] * (codes . x[m]) for one weight row; MT a constant after
    inlining, so the accumulators live in registers. A block's dot is two chains of two (a multiply and an FMA
    each) added, not one chain of four; up to 2 rows of x the odd blocks get their own accumulators. Both so that
    at one row the next block's work does not wait on this one's FMA latency (the one-row GEMV is the decode
    step's whole cost). */
-#define ROW_BLOCK_AVX2(WIDEN, BYTES, b, ACC)                                                                  \
+#define ROW_BLOCK_AVX2(WIDEN, BYTES, SCALED, b, ACC)                                                          \
     {                                                                                                          \
         __m256 q[4];                                                                                           \
         WIDEN(wr + (b) * (BYTES), q);                                                                          \
         const float* xb = x + (b) * QB;                                                                        \
-        const __m256 s = _mm256_broadcast_ss(block_scale + (b));                                               \
+        const __m256 s = SCALED ? _mm256_broadcast_ss(block_scale + (b)) : _mm256_set1_ps(1.f);                \
         for (int m = 0; m < MT; m++) {                                                                         \
             const float* xm = xb + m * xs;                                                                     \
             const __m256 lo = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8),                                   \
@@ -99,7 +108,7 @@ static inline void fp8_widen(const uint8_t* p, __m256 q[4]) {
         }                                                                                                      \
     }
 /* One weight row against MT rows of x, for either vector width (VEC, its block step BLOCK, ZERO, ADD, HSUM). */
-#define DEFINE_ROW_X86(NAME, WIDEN, BYTES, VEC, BLOCK, ZERO, ADD, HSUM)                                        \
+#define DEFINE_ROW_X86(NAME, WIDEN, BYTES, SCALED, VEC, BLOCK, ZERO, ADD, HSUM)                                \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
                                                        const float* x, int64_t xs, int64_t nb, int MT,         \
                                                        float* out) {                                           \
@@ -109,15 +118,15 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
     int64_t b = 0;                                                                                             \
     for (; b + 1 < nb; b += 2) {                                                                               \
         Q_PREFETCH(wr + b * (BYTES));                                                                          \
-        BLOCK(WIDEN, BYTES, b, acc)                                                                            \
-        if (MT <= 2) BLOCK(WIDEN, BYTES, b + 1, odd)                                                           \
-        else BLOCK(WIDEN, BYTES, b + 1, acc)                                                                   \
+        BLOCK(WIDEN, BYTES, SCALED, b, acc)                                                                    \
+        if (MT <= 2) BLOCK(WIDEN, BYTES, SCALED, b + 1, odd)                                                   \
+        else BLOCK(WIDEN, BYTES, SCALED, b + 1, acc)                                                           \
     }                                                                                                          \
-    if (b < nb) BLOCK(WIDEN, BYTES, b, acc)                                                                    \
+    if (b < nb) BLOCK(WIDEN, BYTES, SCALED, b, acc)                                                            \
     for (int m = 0; m < MT; m++) out[m] = HSUM(MT <= 2 ? ADD(acc[m], odd[m]) : acc[m]);                        \
 }
-#define DEFINE_ROW_AVX2(NAME, WIDEN, BYTES) \
-    DEFINE_ROW_X86(NAME, WIDEN, BYTES, __m256, ROW_BLOCK_AVX2, _mm256_setzero_ps, _mm256_add_ps, q_hsum)
+#define DEFINE_ROW_AVX2(NAME, WIDEN, BYTES, SCALED) \
+    DEFINE_ROW_X86(NAME, WIDEN, BYTES, SCALED, __m256, ROW_BLOCK_AVX2, _mm256_setzero_ps, _mm256_add_ps, q_hsum)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* The AVX512 builds (avx512bf16 and its AMX code): a block's 32 codes are two 16-float vectors, so a block is half
    the AVX2 path's instructions (one widening load per 16 codes, one multiply and one FMA per row). The sums are
@@ -132,12 +141,12 @@ static inline void q8_widen16(const uint8_t* p, __m512 q[2]) {
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
 }
-#define ROW_BLOCK_AVX512(WIDEN, BYTES, b, ACC)                                                                \
+#define ROW_BLOCK_AVX512(WIDEN, BYTES, SCALED, b, ACC)                                                        \
     {                                                                                                          \
         __m512 q[2];                                                                                           \
         WIDEN(wr + (b) * (BYTES), q);                                                                          \
         const float* xb = x + (b) * QB;                                                                        \
-        const __m512 s = _mm512_set1_ps(block_scale[b]);                                                       \
+        const __m512 s = _mm512_set1_ps(SCALED ? block_scale[b] : 1.f);                                        \
         for (int m = 0; m < MT; m++) {                                                                         \
             const float* xm = xb + m * xs;                                                                     \
             const __m512 d = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xm + 16),                                   \
@@ -145,16 +154,23 @@ static inline void q8_widen16(const uint8_t* p, __m512 q[2]) {
             ACC[m] = _mm512_fmadd_ps(d, s, ACC[m]);                                                            \
         }                                                                                                      \
     }
-#define DEFINE_ROW_AVX512(NAME, WIDEN, BYTES) \
-    DEFINE_ROW_X86(NAME, WIDEN, BYTES, __m512, ROW_BLOCK_AVX512, _mm512_setzero_ps, _mm512_add_ps,  \
+static inline void bf16_widen16(const uint8_t* p, __m512 q[2]) {
+    for (int j = 0; j < 2; j++)
+        q[j] = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p + 32 * j))), 16));
+}
+#define DEFINE_ROW_AVX512(NAME, WIDEN, BYTES, SCALED) \
+    DEFINE_ROW_X86(NAME, WIDEN, BYTES, SCALED, __m512, ROW_BLOCK_AVX512, _mm512_setzero_ps, _mm512_add_ps,  \
                    _mm512_reduce_add_ps)
-DEFINE_ROW_AVX512(q4_row, q4_widen16, 16)
-DEFINE_ROW_AVX512(q8_row, q8_widen16, 32)
+DEFINE_ROW_AVX512(q4_row, q4_widen16, 16, 1)
+DEFINE_ROW_AVX512(q8_row, q8_widen16, 32, 1)
+DEFINE_ROW_AVX512(bf16_row, bf16_widen16, 64, 0)
 #else
-DEFINE_ROW_AVX2(q4_row, q4_widen, 16)
-DEFINE_ROW_AVX2(q8_row, q8_widen, 32)
+DEFINE_ROW_AVX2(q4_row, q4_widen, 16, 1)
+DEFINE_ROW_AVX2(q8_row, q8_widen, 32, 1)
+DEFINE_ROW_AVX2(bf16_row, bf16_widen, 64, 0)
 #endif
-DEFINE_ROW_AVX2(fp8_block_row, fp8_widen, 32)
+DEFINE_ROW_AVX2(fp8_block_row, fp8_widen, 32, 1)
 #define FP8_ROW_UNIT (256.f) /* fp8_widen's values are value / 256 */
 
 #elif defined(__aarch64__) && defined(__ARM_NEON)
@@ -197,7 +213,11 @@ static inline void fp8_widen(const uint8_t* p, float32x4_t q[8]) {
     }
 }
 
-#define DEFINE_ROW_NEON(NAME, WIDEN, BYTES)                                                                \
+static inline void bf16_widen(const uint8_t* p, float32x4_t q[8]) {
+    for (int j = 0; j < 8; j++) q[j] = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t*)p + 4 * j), 16));
+}
+
+#define DEFINE_ROW_NEON(NAME, WIDEN, BYTES, SCALED)                                                        \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
                                                        const float* x, int64_t xs, int64_t nb, int MT,         \
                                                        float* out) {                                           \
@@ -211,14 +231,15 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
             const float* xm = xb + m * xs;                                                                     \
             float32x4_t dot = vmulq_f32(q[0], vld1q_f32(xm));                                                  \
             for (int j = 1; j < 8; j++) dot = vfmaq_f32(dot, q[j], vld1q_f32(xm + 4 * j));                     \
-            acc[m] = vfmaq_n_f32(acc[m], dot, block_scale[b]);                                                 \
+            acc[m] = SCALED ? vfmaq_n_f32(acc[m], dot, block_scale[b]) : vaddq_f32(acc[m], dot);               \
         }                                                                                                      \
     }                                                                                                          \
     for (int m = 0; m < MT; m++) out[m] = vaddvq_f32(acc[m]);                                                  \
 }
-DEFINE_ROW_NEON(q4_row, q4_widen, 16)
-DEFINE_ROW_NEON(q8_row, q8_widen, 32)
-DEFINE_ROW_NEON(fp8_block_row, fp8_widen, 32)
+DEFINE_ROW_NEON(q4_row, q4_widen, 16, 1)
+DEFINE_ROW_NEON(q8_row, q8_widen, 32, 1)
+DEFINE_ROW_NEON(fp8_block_row, fp8_widen, 32, 1)
+DEFINE_ROW_NEON(bf16_row, bf16_widen, 64, 0)
 #define FP8_ROW_UNIT (256.f)
 
 #else /* portable C: a block's codes widened into a float[32], then plain loops GCC vectorises (-ffast-math) */
@@ -232,8 +253,16 @@ static inline void q8_widen(const uint8_t* p, float q[QB]) {
 static inline void fp8_widen(const uint8_t* p, float q[QB]) {
     for (int i = 0; i < QB; i++) q[i] = E4M3(p[i]);
 }
+static inline void bf16_widen(const uint8_t* p, float q[QB]) {
+    for (int i = 0; i < QB; i++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        const uint32_t bits = (uint32_t)h << 16;
+        memcpy(q + i, &bits, 4);
+    }
+}
 
-#define DEFINE_ROW_C(NAME, WIDEN, BYTES)                                                                   \
+#define DEFINE_ROW_C(NAME, WIDEN, BYTES, SCALED)                                                           \
 static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const float* block_scale,            \
                                                        const float* x, int64_t xs, int64_t nb, int MT,         \
                                                        float* out) {                                           \
@@ -245,14 +274,15 @@ static inline __attribute__((always_inline)) void NAME(const uint8_t* wr, const 
             const float* xm = x + m * xs + b * QB;                                                             \
             float dot = 0.f;                                                                                   \
             for (int i = 0; i < QB; i++) dot += q[i] * xm[i];                                                  \
-            acc[m] += block_scale[b] * dot;                                                                  \
+            acc[m] += SCALED ? block_scale[b] * dot : dot;                                                   \
         }                                                                                                      \
     }                                                                                                          \
     for (int m = 0; m < MT; m++) out[m] = acc[m];                                                              \
 }
-DEFINE_ROW_C(q4_row, q4_widen, 16)
-DEFINE_ROW_C(q8_row, q8_widen, 32)
-DEFINE_ROW_C(fp8_block_row, fp8_widen, 32)
+DEFINE_ROW_C(q4_row, q4_widen, 16, 1)
+DEFINE_ROW_C(q8_row, q8_widen, 32, 1)
+DEFINE_ROW_C(fp8_block_row, fp8_widen, 32, 1)
+DEFINE_ROW_C(bf16_row, bf16_widen, 64, 0)
 #define FP8_ROW_UNIT (1.f)
 #endif
 
@@ -288,7 +318,7 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
                                 int64_t nb, int64_t n, const float* x, int64_t xs, const float* xsum, int64_t M,
                                 float* dot) {
     const uint8_t* wr = w + n * row_bytes;
-    const float* bs = scale + n * nb;
+    const float* bs = scale ? scale + n * nb : NULL; /* bf16 has none */
     for (int64_t m0 = 0; m0 < M; m0 += QT) {
         const int mt = (int)(M - m0 < QT ? M - m0 : QT);
         const float* xt = x + m0 * xs;
@@ -304,6 +334,8 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
             }
         } else if (fmt == 1) {
             DISPATCH_MT(q8_row, wr, bs, xt, xs, nb, mt, d);
+        } else if (fmt == 3) {
+            DISPATCH_MT(bf16_row, wr, bs, xt, xs, nb, mt, d);
         } else {
             DISPATCH_MT(fp8_block_row, wr, bs, xt, xs, nb, mt, d);
             for (int m = 0; m < mt; m++) d[m] *= FP8_ROW_UNIT;
@@ -311,10 +343,13 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
     }
 }
 
+/* Bytes of one weight row of K elements in format fmt. */
+static inline int64_t q_row_bytes(int fmt, int64_t K) { return fmt == 0 ? K / 2 : fmt == 3 ? 2 * K : K; }
+
 void qgemm_f32(const nxd_qgemm_args* a) {
     const int64_t M = a->M, K = a->K, N = a->N, nb = a->K / QB, xs = a->xs;
     const int fmt = a->format;
-    const int64_t row_bytes = fmt == 0 ? K / 2 : K;
+    const int64_t row_bytes = q_row_bytes(fmt, K);
     float* xsum = NULL;
     if (fmt == 0) {
         xsum = (float*)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));

@@ -20,7 +20,7 @@ static double e4m3_value(uint8_t b) {
 
 /* One case: returns the worst |out - ref| / (sum |w x| + 1e-6) over the outputs. */
 static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residual) {
-    const int64_t nb = K / QB, row_bytes = fmt == 0 ? K / 2 : K;
+    const int64_t nb = K / QB, row_bytes = q_row_bytes(fmt, K);
     uint8_t* w = malloc((size_t)(N * row_bytes));
     float* scale = malloc(sizeof(float) * (size_t)(N * nb));
     float* offset = malloc(sizeof(float) * (size_t)(N * nb));
@@ -32,11 +32,19 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
         if (fmt == 2 && (b & 0x7F) == 0x7F) b ^= 1; /* e4m3fn's NaN codes never come out of a quantizer */
         w[i] = b;
     }
+    if (fmt == 3) /* bf16: the top halves of finite floats in [-2, 2) (random bits could be NaN or overflow) */
+        for (int64_t i = 0; i < N * K; i++) {
+            const float v = 2.f * uniform();
+            uint32_t bits;
+            memcpy(&bits, &v, 4);
+            const uint16_t h = (uint16_t)(bits >> 16);
+            memcpy(w + 2 * i, &h, 2);
+        }
     for (int64_t i = 0; i < N * nb; i++) { scale[i] = 0.01f + 0.05f * (uniform() + 1.f); offset[i] = 0.1f * uniform(); }
     for (int64_t i = 0; i < M * K; i++) x[i] = uniform();
     for (int64_t i = 0; i < M * N; i++) res[i] = uniform();
     nxd_qgemm_args a = {0};
-    a.x = x; a.M = M; a.K = K; a.xs = K; a.w = w; a.scale = scale; a.offset = fmt == 0 ? offset : NULL;
+    a.x = x; a.M = M; a.K = K; a.xs = K; a.w = w; a.scale = fmt == 3 ? NULL : scale; a.offset = fmt == 0 ? offset : NULL;
     a.format = fmt; a.N = N; a.res = with_residual ? res : NULL; a.rs = N; a.out = out; a.os = N; a.nthreads = 2;
     qgemm_f32(&a);
     double worst = 0.0;
@@ -52,6 +60,10 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
                     wv = (i < 16 ? byte & 0x0F : byte >> 4) * (double)scale[n * nb + b] + offset[n * nb + b];
                 } else if (fmt == 1) {
                     wv = (int8_t)row[k] * (double)scale[n * nb + b];
+                } else if (fmt == 3) {
+                    uint16_t h;
+                    memcpy(&h, row + 2 * k, 2);
+                    wv = bf2f(h);
                 } else {
                     wv = e4m3_value(row[k]) * scale[n * nb + b];
                 }
@@ -68,7 +80,7 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
 int main(void) {
     static const int64_t Ms[] = {1, 2, 3, 7, 8, 9, 17}, Ns[] = {1, 7, 40}, Ks[] = {32, 96, 576};
     int cases = 0;
-    for (int fmt = 0; fmt < 3; fmt++)
+    for (int fmt = 0; fmt < 4; fmt++)
         for (size_t i = 0; i < sizeof Ms / sizeof *Ms; i++)
             for (size_t j = 0; j < sizeof Ns / sizeof *Ns; j++)
                 for (size_t k = 0; k < sizeof Ks / sizeof *Ks; k++) {

@@ -31,7 +31,10 @@ def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def _model(family: str, method: str) -> LlamaFamilyModel:
     model = LlamaFamilyModel.from_pretrained(tiny_model_path(family), torch.float32, torch.device("cpu"), MAX_LEN)
-    quant.quantize_model(model, method)
+    if method == "bf16":  # --cpu-bf16-weights
+        model.quantize_linears(lambda _name, weight: quant.store_bf16(weight))
+    else:
+        quant.quantize_model(model, method)
     return model
 
 
@@ -91,7 +94,7 @@ def _assert_same(got: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -
         torch.testing.assert_close(g, r, rtol=1e-4, atol=float(r.abs().max()) * 2e-5)
 
 
-@pytest.mark.parametrize("method", ["int4-g32", "int8", "fp8"])
+@pytest.mark.parametrize("method", ["int4-g32", "int8", "fp8", "bf16"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_fused_step_equals_the_layer_path(kernel_path: str, method: str, step: str) -> None:
     """llama: 4 query heads on 2 KV heads (GQA), head size 16."""

@@ -52,7 +52,7 @@ def _q4_codes(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["q4", "q8", "fp8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "fp8", "bf16"])
 @pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
 def test_kernel_equals_the_dense_fp32_expansion(kernel_path: str, fmt: str, threads: int) -> None:
     assert cpu_setup.apply(CpuOptions(isa=kernel_path)) == kernel_path
@@ -66,6 +66,9 @@ def test_kernel_equals_the_dense_fp32_expansion(kernel_path: str, fmt: str, thre
                 q = quant.int4_from_codes(codes, scale, offset, 32, k)
                 weight, scales, offsets = q.data, q.scales, q.offsets
                 dense = (codes.float().view(N, -1, 32) * scale[..., None] + offset[..., None]).view(N, k)
+            elif fmt == "bf16":  # the weight itself, no scales: each value widened exactly
+                weight, scales, offsets = torch.randn(N, k, generator=gen).to(torch.bfloat16), None, None
+                dense = weight.float()
             elif fmt == "q8":
                 weight = torch.randint(-127, 128, (N, k), generator=gen, dtype=torch.int8)
                 scales, offsets = torch.rand(N, k // 32, generator=gen) * 0.01, None
@@ -87,12 +90,15 @@ def test_kernel_equals_the_dense_fp32_expansion(kernel_path: str, fmt: str, thre
         cpu_setup.apply(CpuOptions())
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "int4-g64", "int4-g128"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "int4-g64", "int4-g128", "bf16"])
 def test_quant_linear_computes_its_dequantized_weight_on_every_path(path: str, method: str) -> None:
     """K = 200 (padded to the group), rows on both sides of the dense-copy threshold, a residual."""
     torch.manual_seed(0)
-    q = quant.quantize(torch.randn(N, 200) * 0.1, method)
+    weight = torch.randn(N, 200) * 0.1
+    q = quant.store_bf16(weight) if method == "bf16" else quant.quantize(weight, method)
     dense = q.dequantize()
+    if method == "bf16":
+        assert torch.equal(dense, weight.bfloat16().float())
     for rows in ROWS:
         x, residual = torch.randn(rows, 200), torch.randn(rows, N)
         _close(q(x), F.linear(x, dense), x, dense)

@@ -116,6 +116,8 @@ class TorchBackend(Backend):
             config, _gguf_file(config), self.device, self.dtype, self.kernel_path, self.vlm is not None
         )
         config.quantization = self._quantize(config, model_path, self.weight_format)
+        if config.cpu.bf16_weights:
+            self._store_bf16(config)
         logger.info(
             "torch backend: %s on %s in %s (weights: %s), %d slots x %d positions (KV cache %.0f MiB in %s), "
             "loaded in %.1f s",
@@ -182,6 +184,22 @@ class TorchBackend(Backend):
         else:
             logger.info("weights: --quantization %s", chosen.quantization)
         return chosen.quantization
+
+    def _store_bf16(self, config: EngineConfig) -> None:
+        """``--cpu-bf16-weights``: the dense fp32 model's linears (and LM head) kept in bf16, multiplied in fp32."""
+        from nxdserve.engine.models import cpu_kernels
+        from nxdserve.engine.models.quant import store_bf16
+
+        if self.device.type != "cpu" or self.dtype != torch.float32 or config.quantization is not None:
+            raise ConfigError(
+                "--cpu-bf16-weights applies to a dense fp32 model on the CPU; this one is "
+                f"{config.quantization or 'dense'} {str(self.dtype).removeprefix('torch.')} on {self.device.type} "
+                "(a .gguf model is served from its blocks by default: add --dtype float32 for a dense one)."
+            )
+        if not cpu_kernels.available():
+            raise ConfigError("--cpu-bf16-weights needs the C kernels, which are off (--cpu-isa none or no compiler).")
+        self.model.quantize_linears(lambda _name, weight: store_bf16(weight))
+        logger.info("weights: bf16, multiplied in fp32 (--cpu-bf16-weights)")
 
     @property
     def capabilities(self) -> BackendCapabilities:

@@ -639,7 +639,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- quantized-weight GEMM for a few rows (csrc/qgemm.c) ------------------------------------------------------------
-QGEMM_FORMATS = {"q4": 0, "q8": 1, "fp8": 2}
+QGEMM_FORMATS = {"q4": 0, "q8": 1, "fp8": 2, "bf16": 3}
 QGEMM_BLOCK = 32
 
 
@@ -648,12 +648,18 @@ class QgemmWeight:
     sets only the activations' fields on a copy (a decode step makes ~120 of these calls; each costs ~6 us of Python).
 
     ``fmt`` "q4": codes uint8 (N, K/2) in GGUF's nibble order, scale and offset fp32 (N, K/32); "q8": codes int8
-    (N, K), scale (N, K/32); "fp8": codes float8_e4m3fn / uint8 (N, K), scale (N, K/32). K a multiple of 32."""
+    (N, K), scale (N, K/32); "fp8": codes float8_e4m3fn / uint8 (N, K), scale (N, K/32); "bf16": the weight in
+    bfloat16 (N, K), no scale. K a multiple of 32."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, fmt: str) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None, fmt: str
+    ) -> None:
         n = codes.shape[0]
         k = codes.shape[1] * (2 if fmt == "q4" else 1)
-        if k % QGEMM_BLOCK or not codes.is_contiguous() or scale.dtype != torch.float32 or not scale.is_contiguous():
+        if (scale is None) != (fmt == "bf16") or (fmt == "bf16" and codes.dtype != torch.bfloat16):
+            raise ValueError("qgemm: bf16 weights take no scales and are bfloat16, the other formats scales")
+        scale_ok = scale is None or (scale.dtype == torch.float32 and scale.is_contiguous())
+        if k % QGEMM_BLOCK or not codes.is_contiguous() or not scale_ok:
             raise ValueError("qgemm: K must be a multiple of 32, codes contiguous, scales contiguous fp32")
         if (offset is not None) != (fmt == "q4") or (offset is not None and not offset.is_contiguous()):
             raise ValueError("qgemm: q4 takes contiguous offsets, the other formats none")
@@ -661,7 +667,7 @@ class QgemmWeight:
         self.out_features, self.in_features = n, k
         self.args = QgemmArgs()
         self.args.K, self.args.N, self.args.format = k, n, QGEMM_FORMATS[fmt]
-        self.args.w, self.args.scale = codes.data_ptr(), scale.data_ptr()
+        self.args.w, self.args.scale = codes.data_ptr(), None if scale is None else scale.data_ptr()
         self.args.offset = None if offset is None else offset.data_ptr()
 
     def __call__(
@@ -689,7 +695,7 @@ class QgemmWeight:
 def qgemm(
     x: torch.Tensor,
     codes: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     offset: torch.Tensor | None,
     fmt: str,
     residual: torch.Tensor | None = None,

@@ -57,13 +57,16 @@ class QuantLinear:
     (``--cpu-isa none``, no compiler) PyTorch's weight-only ops take the small calls instead, and the same rule
     sends the larger ones to the dense copy."""
 
-    kind: str  # "int8" | "int4" | "fp8" | "q8_0" (int8 with a scale per group of ``group``: gguf_weights.py)
+    # "int8" | "int4" | "fp8" | "q8_0" (int8 with a scale per group of ``group``: gguf_weights.py) | "bf16" (the
+    # weight itself in bfloat16, computed in fp32: ``store_bf16``)
+    kind: str
     out_features: int
     in_features: int
     # int8 (N, K) | int4: uint8 (N, K_padded / 2), per 32 columns 16 bytes in GGUF's order (low nibbles are the
-    # first 16 codes, high nibbles the next 16) | float8_e4m3fn (N, K) | q8_0: int8 (N, K)
+    # first 16 codes, high nibbles the next 16) | float8_e4m3fn (N, K) | q8_0: int8 (N, K) | bfloat16 (N, K)
     data: torch.Tensor
-    # fp32: (N,) for int8 and per-row fp8; (N, K_padded / 32) for int4; (N, K / group) for q8_0 and block fp8
+    # fp32: (N,) for int8 and per-row fp8; (N, K_padded / 32) for int4; (N, K / group) for q8_0 and block fp8;
+    # empty for bf16
     scales: torch.Tensor
     # int4: the group the scales were computed over (they are stored per 32); q8_0: its group; fp8: 0 = one scale
     # per row, else one per ``group`` input columns
@@ -110,13 +113,15 @@ class QuantLinear:
         args = self._kernel_layout()
         return None if args is None else QgemmWeight(*args)
 
-    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str] | None:
+    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, str] | None:
         block = 32
         if self.kind == "int4":
             return self.data, self.scales, self.offsets, "q4"
         if self.kind in ("q8_0", "fp8") and self.group % block:
             return None
         padded = -(-self.in_features // block) * block
+        if self.kind == "bf16":
+            return F.pad(self.data, (0, padded - self.in_features)).contiguous(), None, None, "bf16"
         codes = self.data.view(torch.uint8)  # zero bytes beyond K: zero codes in every format
         if padded != self.in_features:
             codes = F.pad(codes, (0, padded - self.in_features))
@@ -145,7 +150,7 @@ class QuantLinear:
         perf_notes.md): int4pack at 16-32 rows within 7% of the dense fp32 GEMM's time, 1.4x it at 64, and at 32
         concurrent the engine served 0.90x dense fp32 with int4pack (its bf16 casts) for every call."""
         large = bool(dense_rows) and x.shape[0] > dense_rows and x.device.type == "cpu"
-        if large or _kernels_on() or self.kind in ("fp8", "q8_0"):
+        if large or _kernels_on() or self.kind in ("fp8", "q8_0", "bf16"):
             from nxdserve.engine.models.linear import linear
 
             return linear(x, self.dense_copy(x.dtype))
@@ -204,6 +209,8 @@ class QuantLinear:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense (N, K) weight these codes stand for, computed in fp32."""
+        if self.kind == "bf16":
+            return self.data.to(dtype)
         if self.kind == "int8":
             return (self.data.float() * self.scales[:, None]).to(dtype)
         if self.kind == "fp8" and not self.group:
@@ -422,6 +429,15 @@ METHODS: dict[str, tuple[str, int]] = {
     # with activation-aware input scales (awq.py)
     **{f"int4-g{g}": ("int4", g) for g in INT4_GROUPS},
 }
+
+
+def store_bf16(weight: torch.Tensor) -> QuantLinear:
+    """A dense (N, K) weight kept in bfloat16 and multiplied in fp32 (``CpuOptions.bf16_weights``): a CPU without
+    native bf16 arithmetic reads half of fp32's bytes a decode step through the kernel's bf16 rows, which widen
+    each value by a shift; calls above ``dense_rows`` rows take a dense copy in the activations' dtype, as the
+    quantized formats do."""
+    n, k = weight.shape
+    return QuantLinear("bf16", n, k, weight.detach().to(torch.bfloat16).contiguous(), torch.empty(0))
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantLinear:
