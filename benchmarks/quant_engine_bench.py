@@ -7,8 +7,9 @@ one decode step reads over ``--bandwidth-gbs``) and writes JSON.
         [--configs float32 float32/gguf ...] [--cpu-quant-dense-rows N]
 
 Configs are ``dtype`` or ``dtype/quantization``, optionally suffixed ``+i8`` (``CpuOptions.quant_int8_activations``:
-the small-row kernels round the activations to int8, csrc/qgemm_i8.c) or ``+bf16w`` (``CpuOptions.bf16_weights``: a
-dense fp32 model's linears kept in bf16, ``float32+bf16w``) and then ``~unfused``
+the small-row kernels round the activations to int8, csrc/qgemm_i8.c) or ``+bf16w`` (a dense fp32 model's linears
+then kept in bf16, ``quant.store_bf16``: what ``--dtype auto`` serves of a dense checkpoint on a CPU without native
+bf16; ``float32+bf16w``) and then ``~unfused``
 (``--no-cpu-fused-quant-decode``: quantized steps layer by layer); ``--rounds N`` runs the list N times (interleaved
 A/B: ``--configs auto auto+i8 auto~unfused --rounds 3``). It runs on any tree whose EngineConfig has ``quantization``
 (main's too: run it from /work/main with main's PYTHONPATH for a before/after in the same session).
@@ -50,6 +51,8 @@ def weight_bytes(model: object, rows: int) -> int:
 
     def size(w: object) -> int:
         if isinstance(w, quant.QuantLinear):
+            if getattr(w, "kind", "") == "bf16":  # the kernel up to BF16_KERNEL_ROWS rows, a widened fp32 copy above
+                return w.nbytes if rows <= quant.BF16_KERNEL_ROWS else w.out_features * w.in_features * 4
             if limit is not None and rows > limit and getattr(quant, "dense_rows", None):
                 return w.out_features * w.in_features * dense_bytes
             return w.nbytes
@@ -63,6 +66,24 @@ def weight_bytes(model: object, rows: int) -> int:
     return total + size(head)
 
 
+def bench_prefill(core: object, tokens: int, rounds: int = 3) -> float:
+    """The fastest of ``rounds`` prefills of a ``tokens``-token prompt (one request, one output token), in ms."""
+    import time
+
+    from nxdserve.sampling_params import OutputKind, SamplingParams
+
+    prompt = [(17 * i) % 1000 + 100 for i in range(tokens)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind=OutputKind.FINAL_ONLY)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        core.add_request(core.make_request(prompt, params))  # type: ignore[attr-defined]
+        while core.has_unfinished:  # type: ignore[attr-defined]
+            core.step()  # type: ignore[attr-defined]
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -74,6 +95,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbs", type=float, default=24.0, help="the machine's measured memory bandwidth")
     ap.add_argument("--label", default="", help="a name for this tree in the table (before / after)")
     ap.add_argument("--rounds", type=int, default=1, help="run the config list this many times, in turn")
+    ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prefill of this many tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cpu_kw: dict[str, object] = {"isa": args.cpu_isa}
@@ -90,18 +112,22 @@ def main() -> None:
             options["fused_quant_decode"] = False
         if int8_activations:
             options["quant_int8_activations"] = True
-        if bf16_weights:
-            options["bf16_weights"] = True
         config = EngineConfig(model=args.model, backend="torch", device="cpu", dtype=dtype, quantization=method or None,
-                              max_model_len=256, max_num_seqs=max(args.batches), cpu=CpuOptions(**options))  # type: ignore[arg-type]
+                              max_model_len=max(256, args.prefill_tokens + 8), max_num_seqs=max(args.batches),
+                              cpu=CpuOptions(**options))  # type: ignore[arg-type]
         core, _ = build_engine_core(config, with_metrics=False)
         model = core.backend.model  # type: ignore[attr-defined]
+        if bf16_weights:
+            from nxdserve.engine.models.quant import store_bf16
+
+            model.quantize_linears(lambda _name, weight: store_bf16(weight))
+        prefill = bench_prefill(core, args.prefill_tokens) if args.prefill_tokens else None
         for batch in args.batches:
             result = bench_engine_decode(core, batch, args.tokens)
             nbytes = weight_bytes(model, batch)
             share = nbytes / (args.bandwidth_gbs * 1e9) / (result["step_ms"] / 1e3)
             rows.append({"config": spec, "served": config.quantization or "dense", "batch": batch,
-                         "weight_mb": nbytes / 1e6, "bw_share": share, **result})
+                         "weight_mb": nbytes / 1e6, "bw_share": share, "prefill_ms": prefill, **result})
         del core, model
     print(f"{args.label} --cpu-isa {args.cpu_isa}; decode tok/s (ratio to the first config at the same batch); "
           f"bandwidth share = weight bytes per step / {args.bandwidth_gbs:g} GB/s / step time")
@@ -114,7 +140,8 @@ def main() -> None:
                 label = f"{r['config']} -> {r['served']}" if auto else str(r["config"])
                 print(f"batch {batch:>3}  {label:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
                       f"step {float(r['step_ms']):6.1f} ms  weights {float(r['weight_mb']):6.1f} MB  "  # type: ignore[arg-type]
-                      f"bw {100 * float(r['bw_share']):5.1f}%")  # type: ignore[arg-type]
+                      f"bw {100 * float(r['bw_share']):5.1f}%"  # type: ignore[arg-type]
+                      + ("" if r["prefill_ms"] is None else f"  prefill {float(r['prefill_ms']):6.1f} ms"))  # type: ignore[arg-type]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -207,12 +207,14 @@ def gguf_file(fmt: str, default_gguf: Path, gguf_dir: Path) -> Path:
     return gguf_dir / f"{default_gguf.name.split('.')[0]}.{fmt}.gguf"
 
 
-# A forced --cpu-isa below native bf16 stands for such a machine: PyTorch's own kernels and oneDNN are held to the
-# same ISA (read when torch loads), so a bf16 row pays what it would there (on a Xeon with AMX a 32 x 576 x 1536
-# bf16 linear took 5.7x the fp32 one's time with these set, 0.30x without; the issue measured 4.7x on an AVX2 EPYC).
+# A forced --cpu-isa below native bf16 stands for such a machine: PyTorch's own kernels, oneDNN and MKL are held to
+# the same ISA (read when torch loads), so a bf16 row pays what it would there (on a Xeon with AMX a 32 x 576 x 1536
+# bf16 linear took 5.7x the fp32 one's time with these set, 0.30x without; the issue measured 4.7x on an AVX2 EPYC),
+# and an fp32 GEMM too (MKL's sgemm, which the first two do not reach, ran its AVX512 code on that Xeon until
+# MKL_ENABLE_INSTRUCTIONS was added: 1.1-1.5x faster at 32-64 rows than held to AVX2).
 MACHINE_ENV: dict[str, dict[str, str]] = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 
 

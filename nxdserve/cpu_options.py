@@ -44,11 +44,10 @@ class CpuOptions:
     # the 4-bit / int8 codes (csrc/qgemm_i8.c). Off: results change (the activations' rounding), so opt-in.
     quant_int8_activations: bool = False
     quant_small_steps: SmallSteps = "measure"  # see SmallSteps (engine/models/quant_steps.py)
-    # A dense fp32 model's linears stored in bf16 and multiplied in fp32 by the C kernel's bf16 rows (steps of up
-    # to quant_dense_rows rows; a dense fp32 copy above, as for the quantized formats). Opt-in: measured faster
-    # for one stream where the weights stream from memory, but with the copies it holds 1.5x fp32's memory and
-    # without them (quant_dense_rows 0) batched steps are slower (docs/quantization.md, "bf16 weights").
-    bf16_weights: bool = False
+    # With --dtype auto on a CPU without native bf16 (or a build forced below it), a dense model's linears and LM
+    # head are kept in bf16 and multiplied in fp32 by the C kernel (half of fp32's memory and of the bytes a decode
+    # step reads; docs/quantization.md, "bf16 weights"). Off: dense fp32, as before.
+    bf16_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_CHOICES:
@@ -79,6 +78,11 @@ _SWITCHES = (
         "fused_quant_decode",
         "--no-cpu-fused-quant-decode",
         "run quantized (4/8-bit) fp32 forwards of a few rows layer by layer instead of one fused call",
+    ),
+    (
+        "bf16_weights",
+        "--no-cpu-bf16-weights",
+        "with --dtype auto on a CPU without native bf16: dense fp32 weights instead of bf16 ones multiplied in fp32",
     ),
     ("greedy_head", "--no-cpu-greedy-head", "greedy rows take the full LM head and argmax"),
     ("packed_linear", "--no-cpu-packed-linear", "no prepacked oneDNN weights (F.linear)"),
@@ -113,13 +117,6 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "to int8 per 32 columns and take integer dot products (faster; results change slightly, so off by default)",
     )
     group.add_argument(
-        "--cpu-bf16-weights",
-        action="store_true",
-        help="a dense fp32 model (a CPU without native bf16, or --dtype float32): keep its linears in bf16 and "
-        "multiply them in fp32 with the C kernel for steps of up to --cpu-quant-dense-rows rows (half the bytes "
-        "a decode step reads; a dense fp32 copy above, 0 = none)",
-    )
-    group.add_argument(
         "--cpu-quant-small-steps",
         default=CpuOptions.quant_small_steps,
         choices=SMALL_STEP_CHOICES,
@@ -137,7 +134,6 @@ def cpu_options_from_args(args: argparse.Namespace) -> CpuOptions:
         quant_dense_rows=args.cpu_quant_dense_rows,
         quant_int8_activations=args.cpu_quant_int8_activations,
         quant_small_steps=args.cpu_quant_small_steps,
-        bf16_weights=args.cpu_bf16_weights,
         **switches,
     )
 

@@ -343,6 +343,79 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
     }
 }
 
+/* bf16 weights at more than a decode step's rows (a batch of sequences, a prefill chunk): FLOP-bound, so two
+   weight rows share each load of x and each widened weight vector serves BF16_MR rows of x, with one FMA per 8
+   (16) products and no per-block scale; 2 x BF16_MR accumulators stay in registers. Rows of W are paired
+   (2i, 2i + 1) whatever the thread split, so results do not depend on it; a last odd row takes q_weight_row. */
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define BF16_MR 12
+#define BF16_VEC __m512
+#define BF16_STEP 16
+#define BF16_ZERO _mm512_setzero_ps
+#define BF16_FMA _mm512_fmadd_ps
+#define BF16_LOADX _mm512_loadu_ps
+#define BF16_HSUM _mm512_reduce_add_ps
+static inline __m512 bf16_load(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#else
+#define BF16_MR 6
+#define BF16_VEC __m256
+#define BF16_STEP 8
+#define BF16_ZERO _mm256_setzero_ps
+#define BF16_FMA _mm256_fmadd_ps
+#define BF16_LOADX _mm256_loadu_ps
+#define BF16_HSUM q_hsum
+static inline __m256 bf16_load(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+#define BF16_PAIRS 1
+/* d0[m], d1[m] (m < MT) = weight rows w0, w1 (K bf16 values each) . x[m]. */
+static inline __attribute__((always_inline)) void bf16_pair_tile(const uint16_t* w0, const uint16_t* w1,
+                                                                 const float* x, int64_t xs, int64_t K, int MT,
+                                                                 float* d0, float* d1) {
+    BF16_VEC a0[BF16_MR], a1[BF16_MR];
+    for (int m = 0; m < MT; m++) a0[m] = a1[m] = BF16_ZERO();
+    for (int64_t k = 0; k < K; k += BF16_STEP) {
+        const BF16_VEC v0 = bf16_load(w0 + k), v1 = bf16_load(w1 + k);
+        for (int m = 0; m < MT; m++) {
+            const BF16_VEC xv = BF16_LOADX(x + m * xs + k);
+            a0[m] = BF16_FMA(v0, xv, a0[m]);
+            a1[m] = BF16_FMA(v1, xv, a1[m]);
+        }
+    }
+    for (int m = 0; m < MT; m++) {
+        d0[m] = BF16_HSUM(a0[m]);
+        d1[m] = BF16_HSUM(a1[m]);
+    }
+}
+/* The pair's dots for all M rows of x, in tiles of BF16_MR (each tile size its own unrolled body). */
+static void bf16_pair_rows(const uint16_t* w0, const uint16_t* w1, const float* x, int64_t xs, int64_t K, int64_t M,
+                           float* d0, float* d1) {
+    for (int64_t m0 = 0; m0 < M; m0 += BF16_MR) {
+        const int mt = (int)(M - m0 < BF16_MR ? M - m0 : BF16_MR);
+        const float* xt = x + m0 * xs;
+        switch (mt) {
+#define BF16_CASE(T) case T: bf16_pair_tile(w0, w1, xt, xs, K, T, d0 + m0, d1 + m0); break;
+            BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5)
+#if BF16_MR > 6
+            BF16_CASE(6) BF16_CASE(7) BF16_CASE(8) BF16_CASE(9) BF16_CASE(10) BF16_CASE(11)
+#endif
+#undef BF16_CASE
+            default: bf16_pair_tile(w0, w1, xt, xs, K, BF16_MR, d0 + m0, d1 + m0); break;
+        }
+    }
+}
+#else
+#define BF16_PAIRS 0
+#endif
+/* Rows of x from which bf16 weights take the paired path (below it the row kernel's latency-hiding order wins). */
+#ifndef BF16_PAIR_MIN
+#define BF16_PAIR_MIN 3
+#endif
+
 /* Bytes of one weight row of K elements in format fmt. */
 static inline int64_t q_row_bytes(int fmt, int64_t K) { return fmt == 0 ? K / 2 : fmt == 3 ? 2 * K : K; }
 
@@ -360,6 +433,30 @@ void qgemm_f32(const nxd_qgemm_args* a) {
     /* Chunks of weight rows taken as threads free up: on a shared machine a descheduled sibling no longer holds
        half the rows (each row is computed whole by one thread, so the results do not depend on the split). */
     const int64_t chunk = q_rows_chunk(N, nt);
+#if BF16_PAIRS
+    if (fmt == 3 && M >= BF16_PAIR_MIN) {
+        const int64_t pairs = (N + 1) / 2;
+        _Pragma("omp parallel num_threads(nt)")
+        {
+            float* dot = (float*)malloc(sizeof(float) * (size_t)(2 * M));
+            _Pragma("omp for schedule(dynamic, chunk / 2)")
+            for (int64_t p = 0; p < pairs; p++) {
+                const int64_t n = 2 * p, rows = n + 1 < N ? 2 : 1;
+                const uint16_t* w0 = (const uint16_t*)(a->w + n * row_bytes);
+                if (rows == 2) bf16_pair_rows(w0, w0 + K, a->x, xs, K, M, dot, dot + M);
+                else q_weight_row(fmt, a->w, NULL, NULL, row_bytes, nb, n, a->x, xs, NULL, M, dot);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t m = 0; m < M; m++) {
+                        float v = dot[r * M + m];
+                        if (a->res) v += a->res[m * a->rs + n + r];
+                        a->out[m * a->os + n + r] = v;
+                    }
+            }
+            free(dot);
+        }
+        return;
+    }
+#endif
     _Pragma("omp parallel num_threads(nt)")
     {
         float on_stack[64];
@@ -376,4 +473,16 @@ void qgemm_f32(const nxd_qgemm_args* a) {
         if (dot != on_stack) free(dot);
     }
     free(xsum);
+}
+
+/* dst (n floats) = src (n bf16 values) widened, over nthreads: a bf16 weight's transient fp32 copy for a call of
+   many rows (a prefill chunk), where a dense GEMM wins and keeping the copy would cost 2x the weight's memory.
+   (torch's own .float() of a 49152 x 576 head took ~45 ms on one thread, this ~5 ms.) */
+void bf16_widen_f32(const uint16_t* src, float* dst, int64_t n, int nthreads) {
+    const int nt = n < (1 << 16) ? 1 : (nthreads < 1 ? 1 : nthreads);
+    _Pragma("omp parallel for num_threads(nt) schedule(static)")
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &bits, 4);
+    }
 }

@@ -1,65 +1,98 @@
-"""``--cpu-bf16-weights`` (``CpuOptions.bf16_weights``): a dense fp32 model's linears kept in bf16 and multiplied
-in fp32 (``quant.store_bf16``, csrc/qgemm.c's bf16 rows). The engine serves the text of a dense fp32 model whose
-weights are rounded to bf16; a model it does not apply to is refused with a clear error."""
+"""bf16 weights on a CPU without native bf16 (``CpuOptions.bf16_weights``, on by default): with ``--dtype auto``
+resolving to fp32 there, a dense model's linears and LM head are kept in bf16 and multiplied in fp32
+(``quant.store_bf16``, csrc/qgemm.c's bf16 rows). The engine serves the text of the dense fp32 model whose weights
+are rounded to bf16; an explicit ``--dtype float32``, ``--no-cpu-bf16-weights``, a CPU with native bf16 and
+``--cpu-isa none`` keep dense weights. A forced ``--cpu-isa avx2`` stands for an AVX2-only CPU."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import pytest
 import torch
 
 from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import quant
-from nxdserve.errors import ConfigError
+from nxdserve.engine.core import EngineCore
+from nxdserve.engine.models import cpu_kernels, quant
 from nxdserve.sampling_params import SamplingParams
-from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
+from tests.helpers.engine import make_core, run_to_completion
+from tests.helpers.tiny_model import tiny_model_path
+
+pytestmark = pytest.mark.skipif("avx2" not in cpu_kernels.runnable_paths(), reason="needs the avx2 kernel build")
+PROMPTS = [[5, 9, 13, 2, 7], [11, 3, 8], [4, 4, 6, 1, 9, 12, 30, 2], [17]]
 
 
-def _greedy(core: object, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in run_to_completion(core, prompts, params)]  # type: ignore[arg-type]
+def _core(**overrides: object) -> EngineCore:
+    settings: dict[str, object] = {"model": str(_model()), "dtype": "auto", "max_model_len": 64, "max_num_seqs": 4}
+    settings.update(overrides)
+    return make_core(**settings)
 
 
-def test_engine_serves_the_bf16_rounded_weights() -> None:
-    core = make_core(dtype="float32", max_model_len=128, max_num_seqs=4, cpu=CpuOptions(bf16_weights=True))
+@functools.cache
+def _model() -> Path:
+    return tiny_model_path("llama")
+
+
+def _linears(core: EngineCore) -> list[object]:
     model = core.backend.model  # type: ignore[attr-defined]
-    linears = [getattr(layer, attr) for layer in model.layers for attr in model.QUANTIZABLE]
-    assert all(isinstance(w, quant.QuantLinear) and w.kind == "bf16" for w in linears)
-    assert model.lm_head_quant is not None and model.lm_head_quant.kind == "bf16"
-    # 2 bytes a weight where fp32 read 4
-    assert linears[0].nbytes == linears[0].out_features * linears[0].in_features * 2
-    prompts = tokenize(core, PROMPTS[:4])
-    served = _greedy(core, prompts)
+    return [getattr(layer, attr) for layer in model.layers for attr in model.QUANTIZABLE] + [model.lm_head_quant]
 
-    reference = make_core(dtype="float32", max_model_len=128, max_num_seqs=4)
+
+def _greedy(core: EngineCore) -> list[list[int]]:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in run_to_completion(core, PROMPTS, params)]
+
+
+def test_auto_dtype_without_native_bf16_serves_the_bf16_rounded_weights() -> None:
+    core = _core(cpu=CpuOptions(isa="avx2"))
+    assert core.backend.dtype == torch.float32  # type: ignore[attr-defined]
+    linears = _linears(core)
+    assert all(isinstance(w, quant.QuantLinear) and w.kind == "bf16" for w in linears)
+    first = linears[0]
+    assert isinstance(first, quant.QuantLinear) and first.nbytes == first.out_features * first.in_features * 2
+    served = _greedy(core)
+
+    reference = _core(dtype="float32", cpu=CpuOptions(isa="avx2"))
     dense = reference.backend.model  # type: ignore[attr-defined]
     with torch.no_grad():
         for layer in dense.layers:
             for attr in dense.QUANTIZABLE:
                 weight = getattr(layer, attr)
                 weight.copy_(weight.bfloat16().float())
-        dense.lm_head_weight.copy_(dense.lm_head_weight.bfloat16().float())  # tied: the embedding too
-    rounded = _greedy(reference, prompts)
-    assert served == rounded
-    assert all(len(tokens) == 12 for tokens in served)
+        dense.lm_head_weight.copy_(dense.lm_head_weight.bfloat16().float())
+    assert served == _greedy(reference)
+    assert all(len(tokens) == 10 for tokens in served)
+
+
+def test_a_prefill_above_the_kernel_rows_gives_the_dense_results() -> None:
+    """Calls of more than BF16_KERNEL_ROWS rows widen a transient fp32 copy: the same products to fp32 rounding,
+    and no copy is kept on the weight."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    q = quant.store_bf16(weight)
+    dense = weight.bfloat16().float()
+    for rows in (1, 5, quant.BF16_KERNEL_ROWS, quant.BF16_KERNEL_ROWS + 1, 200):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(q(x), x @ dense.t(), rtol=1e-5, atol=1e-4)
+    assert "_cache" not in q.__dict__ or all(key == "kernel" for key in q.__dict__["_cache"])
 
 
 @pytest.mark.parametrize(
-    ("overrides", "named"),
-    [({"dtype": "bfloat16"}, "bfloat16"), ({"dtype": "float32", "quantization": "int8"}, "int8")],
+    ("overrides", "why"),
+    [
+        ({"dtype": "float32", "cpu": CpuOptions(isa="avx2")}, "an explicit --dtype float32 asks for dense fp32"),
+        ({"cpu": CpuOptions(isa="avx2", bf16_weights=False)}, "--no-cpu-bf16-weights"),
+        ({"cpu": CpuOptions(isa="none")}, "no C kernels to multiply them"),
+    ],
 )
-def test_a_model_it_does_not_apply_to_is_refused(overrides: dict[str, str], named: str) -> None:
-    with pytest.raises(ConfigError, match=rf"--cpu-bf16-weights applies to a dense fp32 model.*{named}"):
-        make_core(max_model_len=64, max_num_seqs=2, cpu=CpuOptions(bf16_weights=True), **overrides)
-
-
-def test_without_the_kernels_it_is_refused() -> None:
-    with pytest.raises(ConfigError, match="needs the C kernels"):
-        make_core(dtype="float32", max_model_len=64, max_num_seqs=2, cpu=CpuOptions(isa="none", bf16_weights=True))
+def test_dense_weights_where_it_does_not_apply(overrides: dict[str, object], why: str) -> None:
+    assert all(isinstance(w, torch.Tensor) or w is None for w in _linears(_core(**overrides))), why
 
 
 def test_flag_reaches_the_cpu_options() -> None:
     from nxdserve.cli import build_parser, engine_config_from_args
 
-    assert not CpuOptions().bf16_weights
-    args = build_parser().parse_args(["--cpu-bf16-weights", "--dtype", "float32"])
-    assert engine_config_from_args(args).cpu.bf16_weights
+    assert CpuOptions().bf16_weights
+    args = build_parser().parse_args(["--no-cpu-bf16-weights"])
+    assert not engine_config_from_args(args).cpu.bf16_weights

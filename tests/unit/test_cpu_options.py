@@ -33,7 +33,7 @@ def test_cli_flags_become_the_config_cpu_options() -> None:
     assert engine_config_from_args(args).cpu == CpuOptions(isa="generic", gemm=False, bind_threads=False, amx=False)
     assert engine_config_from_args(parser.parse_args([])).cpu == CpuOptions()
     switches = [a for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--no-cpu-")]
-    assert len(switches) == 10 and all(a.default is True for a in switches)  # on unless switched off
+    assert len(switches) == 11 and all(a.default is True for a in switches)  # on unless switched off
     help_text = parser.format_help()
     assert "CPU backend" in help_text and "--cpu-isa" in help_text and "--no-cpu-kv-huge-pages" in help_text
     with pytest.raises(SystemExit):

@@ -162,8 +162,9 @@ def test_configs_per_isa_and_filter(tmp_path: Path) -> None:
     assert [c.name for c in picked] == ["nx-gguf@avx2", "llama-q8_0"]
     assert picked[0].flags[-2:] == ["--cpu-isa", "avx2"]
     assert picked[1].gguf == tmp_path / "M.q8_0.gguf"
-    # a forced AVX2 row holds PyTorch's kernels and oneDNN to AVX2 too (an AVX2 machine's bf16 cost), in its env
-    assert picked[0].env == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    # a forced AVX2 row holds PyTorch's kernels, oneDNN and MKL to AVX2 too (an AVX2 machine's bf16 cost), in its env
+    held = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert picked[0].env == held
     launch = argparse.Namespace(threads=2, max_model_len=512, gguf=None)
     assert qp.server_spec(picked[0], launch, "/m", ["b"]).env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     args.configs = "nx-gguf@auto"

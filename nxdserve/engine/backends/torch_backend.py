@@ -116,8 +116,11 @@ class TorchBackend(Backend):
             config, _gguf_file(config), self.device, self.dtype, self.kernel_path, self.vlm is not None
         )
         config.quantization = self._quantize(config, model_path, self.weight_format)
-        if config.cpu.bf16_weights:
-            self._store_bf16(config)
+        if self._bf16_weights_apply(config):
+            from nxdserve.engine.models.quant import store_bf16
+
+            self.model.quantize_linears(lambda _name, weight: store_bf16(weight))
+            logger.info("weights: bf16, multiplied in fp32 (no native bf16 here; --no-cpu-bf16-weights for fp32)")
         logger.info(
             "torch backend: %s on %s in %s (weights: %s), %d slots x %d positions (KV cache %.0f MiB in %s), "
             "loaded in %.1f s",
@@ -185,21 +188,20 @@ class TorchBackend(Backend):
             logger.info("weights: --quantization %s", chosen.quantization)
         return chosen.quantization
 
-    def _store_bf16(self, config: EngineConfig) -> None:
-        """``--cpu-bf16-weights``: the dense fp32 model's linears (and LM head) kept in bf16, multiplied in fp32."""
+    def _bf16_weights_apply(self, config: EngineConfig) -> bool:
+        """``CpuOptions.bf16_weights``: a dense model whose ``--dtype auto`` resolved to fp32 on the CPU (no native
+        bf16, or a kernel build forced below it), with the C kernels that multiply bf16 weights in fp32."""
         from nxdserve.engine.models import cpu_kernels
-        from nxdserve.engine.models.quant import store_bf16
 
-        if self.device.type != "cpu" or self.dtype != torch.float32 or config.quantization is not None:
-            raise ConfigError(
-                "--cpu-bf16-weights applies to a dense fp32 model on the CPU; this one is "
-                f"{config.quantization or 'dense'} {str(self.dtype).removeprefix('torch.')} on {self.device.type} "
-                "(a .gguf model is served from its blocks by default: add --dtype float32 for a dense one)."
-            )
-        if not cpu_kernels.available():
-            raise ConfigError("--cpu-bf16-weights needs the C kernels, which are off (--cpu-isa none or no compiler).")
-        self.model.quantize_linears(lambda _name, weight: store_bf16(weight))
-        logger.info("weights: bf16, multiplied in fp32 (--cpu-bf16-weights)")
+        return (
+            config.cpu.bf16_weights
+            and config.dtype == "auto"
+            and config.quantization is None
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.vlm is None
+            and cpu_kernels.available()
+        )
 
     @property
     def capabilities(self) -> BackendCapabilities:

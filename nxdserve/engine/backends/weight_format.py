@@ -39,7 +39,8 @@ def default_weight_format(
 
     - ``--quantization X`` given (or detected from the checkpoint): X.
     - ``--dtype float32|bfloat16|float16`` given: a dense copy in that dtype (how to ask for one).
-    - not a .gguf model (a HF folder, a hub id), or a multimodal model: dense, unchanged.
+    - not a .gguf model (a HF folder, a hub id), or a multimodal model: dense, unchanged (where ``--dtype auto`` is
+      fp32 on the CPU, the torch backend then keeps the dense weights in bf16: ``CpuOptions.bf16_weights``).
     - not on a CPU (CUDA): dense; ``QuantLinear``'s kernels are PyTorch's CPU weight-only ones.
     - a CPU whose default dtype is bf16 with the fused bf16 decoder's kernel path (AVX512-BF16 / AMX): dense
       bf16. The fused C decoder reads dense bf16 weights and is the measured-fast path there (a 2-core Xeon

@@ -35,6 +35,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -355,6 +356,7 @@ def load(path: Path) -> ctypes.CDLL:
                 fn.argtypes, fn.restype = argtypes, restype
     lib.qgemm_f32.argtypes, lib.qgemm_f32.restype = [ctypes.POINTER(QgemmArgs)], None
     lib.qgemm_i8_f32.argtypes, lib.qgemm_i8_f32.restype = [ctypes.POINTER(QgemmArgs)], None
+    lib.bf16_widen_f32.argtypes, lib.bf16_widen_f32.restype = [_p, _p, _i64, ctypes.c_int], None
     lib.qdecode_forward_f32.argtypes, lib.qdecode_forward_f32.restype = [ctypes.POINTER(QdecodeArgs)], None
     lib.omp_bind_team.argtypes = [ctypes.c_int, _p, ctypes.c_int, ctypes.c_int]
     lib.omp_bind_team.restype = ctypes.c_int
@@ -690,6 +692,23 @@ class QgemmWeight:
             a.res, a.rs = residual.data_ptr(), residual.stride(0)
         (lib.qgemm_i8_f32 if int8_activations else lib.qgemm_f32)(ctypes.byref(a))
         return out
+
+
+_widened = threading.local()  # per thread: the fp32 buffer bf16_to_f32 widens into
+
+
+def bf16_to_f32(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous bf16 tensor widened to fp32 over the intra-op threads (``bf16_widen_f32``, csrc/qgemm.c), into
+    this thread's buffer, valid until its next call: a fresh allocation per call page-faulted its way in (a prefill
+    chunk widens every linear) and cost as much again as the widening."""
+    lib = _library()
+    assert lib is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    buffer = getattr(_widened, "buffer", None)
+    if buffer is None or buffer.numel() < weight.numel():
+        buffer = _widened.buffer = torch.empty(weight.numel(), dtype=torch.float32)
+    out = buffer[: weight.numel()].view(weight.shape)
+    lib.bf16_widen_f32(weight.data_ptr(), out.data_ptr(), weight.numel(), torch.get_num_threads())
+    return out
 
 
 def qgemm(

@@ -45,6 +45,10 @@ dense_rows = DENSE_ROWS
 # The small-row kernel rounds the activations to int8 per 32-block and takes integer dot products (q4 and int8
 # codes; csrc/qgemm_i8.c). Off by default: it changes results. Set from CpuOptions.quant_int8_activations.
 int8_activations = False
+# bf16 weights (store_bf16): calls of up to this many rows run the kernel's paired bf16 rows, more a transient
+# fp32 copy and the dense GEMM. Measured with the AVX2 build against MKL held to AVX2 (perf_notes.md, "bf16
+# weights"): the kernel 0.9-1.17x sgemm's time at 32 rows, 1.2-1.6x at 64, where widening per call costs ~1.15x.
+BF16_KERNEL_ROWS = 32
 
 
 @dataclass(eq=False)
@@ -95,11 +99,27 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` (+ ``residual``, rounded as the eager ``out + residual``) for x (M, K) in fp32 or bf16."""
+        if self.kind == "bf16":
+            return self._bf16_call(x, residual)
         if _kernel_serves(x, x.shape[0]):
             kernel = self._kernel_args()
             if kernel is not None:
                 return self._kernel_call(x, kernel, residual)
         out = self._torch_call(x)
+        return out if residual is None else out + residual
+
+    def _bf16_call(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """bf16 weights: up to ``BF16_KERNEL_ROWS`` rows the kernel's bf16 rows; more (a prefill chunk, where the
+        dense GEMM's speed pays for widening the weight once per call) a transient fp32 copy, never kept: the
+        point of the format is half of fp32's memory as well as of its bytes a step."""
+        cpu = x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
+        if cpu and x.shape[0] <= BF16_KERNEL_ROWS and _kernels_on() and x.dtype in (torch.float32, torch.bfloat16):
+            return self._kernel_call(x, self._kernel_args(), residual)
+        from nxdserve.engine.models import cpu_kernels
+        from nxdserve.engine.models.linear import linear
+
+        wide = cpu_kernels.bf16_to_f32(self.data) if cpu and _kernels_on() else self.data.float()
+        out = linear(x, wide if x.dtype == torch.float32 else wide.to(x.dtype))
         return out if residual is None else out + residual
 
     def _kernel_args(self) -> Any:
@@ -150,7 +170,7 @@ class QuantLinear:
         perf_notes.md): int4pack at 16-32 rows within 7% of the dense fp32 GEMM's time, 1.4x it at 64, and at 32
         concurrent the engine served 0.90x dense fp32 with int4pack (its bf16 casts) for every call."""
         large = bool(dense_rows) and x.shape[0] > dense_rows and x.device.type == "cpu"
-        if large or _kernels_on() or self.kind in ("fp8", "q8_0", "bf16"):
+        if large or _kernels_on() or self.kind in ("fp8", "q8_0"):
             from nxdserve.engine.models.linear import linear
 
             return linear(x, self.dense_copy(x.dtype))
@@ -434,8 +454,7 @@ METHODS: dict[str, tuple[str, int]] = {
 def store_bf16(weight: torch.Tensor) -> QuantLinear:
     """A dense (N, K) weight kept in bfloat16 and multiplied in fp32 (``CpuOptions.bf16_weights``): a CPU without
     native bf16 arithmetic reads half of fp32's bytes a decode step through the kernel's bf16 rows, which widen
-    each value by a shift; calls above ``dense_rows`` rows take a dense copy in the activations' dtype, as the
-    quantized formats do."""
+    each value by a shift; calls above ``BF16_KERNEL_ROWS`` rows widen a transient fp32 copy."""
     n, k = weight.shape
     return QuantLinear("bf16", n, k, weight.detach().to(torch.bfloat16).contiguous(), torch.empty(0))
 
