@@ -45,8 +45,8 @@ class CpuOptions:
     quant_int8_activations: bool = False
     quant_small_steps: SmallSteps = "measure"  # see SmallSteps (engine/models/quant_steps.py)
     # With --dtype auto on a CPU without native bf16 (or a build forced below it), a dense model's linears and LM
-    # head are kept in bf16 and multiplied in fp32 by the C kernel (half of fp32's memory and of the bytes a decode
-    # step reads; docs/quantization.md, "bf16 weights"). Off: dense fp32, as before.
+    # head are kept in bf16 and multiplied in fp32 by the C kernel: half of the bytes a decode step reads and of the
+    # linears' memory (docs/quantization.md, "bf16 weights"). Off: dense fp32, as before.
     bf16_weights: bool = True
 
     def __post_init__(self) -> None:

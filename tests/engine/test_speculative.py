@@ -21,8 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.core import EngineCore
-from nxdserve.engine.models import greedy_head
+from nxdserve.engine.models import cpu_kernels, greedy_head
+from nxdserve.engine.models.quant import QuantLinear
 from nxdserve.sampling_params import SamplingParams
 from tests.helpers.eagle import eagle_head
 from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
@@ -300,17 +302,26 @@ def test_bf16_verification_from_the_lm_head_screen_is_lossless(monkeypatch: pyte
     assert answered and all(answered)
 
 
+# int4: what a .gguf model is served as by default; bf16: a dense model's weights under --dtype auto on a CPU
+# without native bf16 (a forced AVX2 build stands for one).
+QUANTIZED_TARGETS = {"int4": {"quantization": "int4"}, "bf16": {"dtype": "auto", "cpu": CpuOptions(isa="avx2")}}
+
+
+@pytest.mark.parametrize("target_format", list(QUANTIZED_TARGETS))
 @pytest.mark.parametrize("method", ["draft-model", "self-draft"])
-def test_quantized_target_with_a_dense_draft_is_lossless(method: str) -> None:
-    """A 4-bit target (what a .gguf model is served as by default) verifies a dense draft model's drafts (or its
-    own first layer's, sharing the 4-bit layers): greedy output is exactly the plain 4-bit target's."""
+def test_quantized_target_with_a_dense_draft_is_lossless(method: str, target_format: str) -> None:
+    """A quantized target verifies a dense draft model's drafts (or its own first layer's, sharing the quantized
+    layers): greedy output is exactly the plain quantized target's."""
+    if target_format == "bf16" and "avx2" not in cpu_kernels.runnable_paths():
+        pytest.skip("needs the avx2 kernel build")
     target = copycat_model()
-    settings = {"model": target, "max_model_len": MAX_LEN, "quantization": "int4", **MODES["chunked"]}
+    settings = {"model": target, "max_model_len": MAX_LEN, **QUANTIZED_TARGETS[target_format], **MODES["chunked"]}
     plain = make_core(**settings)
     prompts = prompts_of_lengths(plain, (6, 9, 12))
     expected = token_ids(run_to_completion(plain, prompts, greedy(16)))
     core = make_core(**settings, speculative_config=method_config(method, target))
-    assert core.config.quantization == "int4"
+    target_qkv = core.backend.model.layers[0].qkv_weight  # type: ignore[attr-defined]
+    assert isinstance(target_qkv, QuantLinear) and target_qkv.kind == target_format
     assert token_ids(run_to_completion(core, prompts, greedy(16))) == expected
     drafted, accepted = spec_counts(core)
     assert drafted > 0 and accepted > 0

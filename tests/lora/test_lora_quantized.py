@@ -1,14 +1,18 @@
-"""LoRA over quantized base weights (``QuantLinear``: what a .gguf model is served from by default): each adapter
-gives what the same adapter gives over a dense model holding the quantized weights' values, so the adapters'
-GEMMs add to the 4-bit base exactly as to a dense one."""
+"""LoRA over quantized base weights (``QuantLinear``: what a .gguf model is served from by default, and the bf16
+weights of a dense model on a CPU without native bf16): each adapter gives what the same adapter gives over a
+dense model holding the quantized weights' values, so the adapters' GEMMs add to the quantized base exactly as to
+a dense one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.core import EngineCore
+from nxdserve.engine.models import cpu_kernels
 from nxdserve.engine.models.quant import QuantLinear
 from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import OutputKind, SamplingParams
@@ -43,12 +47,24 @@ def _greedy(core: EngineCore, name: str | None) -> list[list[int]]:
     return [list(finals[i].outputs[0].token_ids) for i in ids]
 
 
-def test_adapters_over_quantized_base_weights(tmp_path: Path, exact_kernels: None) -> None:
+# The base formats: int4 (its fp32 model's head as Q8_0), and the bf16 weights --dtype auto serves a dense model
+# on a CPU without native bf16 (a forced AVX2 build stands for one).
+BASES = {
+    "int4": ({"quantization": "int4"}, "q8_0"),
+    "bf16-weights": ({"dtype": "auto", "cpu": CpuOptions(isa="avx2")}, "bf16"),
+}
+
+
+@pytest.mark.parametrize("base_format", list(BASES))
+def test_adapters_over_quantized_base_weights(tmp_path: Path, exact_kernels: None, base_format: str) -> None:
+    overrides, head_kind = BASES[base_format]
+    if "cpu" in overrides and "avx2" not in cpu_kernels.runnable_paths():
+        pytest.skip("needs the avx2 kernel build")
     base = tiny_model_path("llama")
     adapters = {"all": make_peft_adapter(base, tmp_path / "all", seed=1),
                 "mlp": make_peft_adapter(base, tmp_path / "mlp", targets=("gate_proj", "down_proj"), seed=3)}
     with single_torch_thread():
-        quantized = _core(adapters, quantization="int4")
+        quantized = _core(adapters, **overrides)
         reference = _core(adapters)
         # The reference: dense, holding exactly the values the 4-bit codes stand for.
         model, dense_model = quantized.backend.model, reference.backend.model  # type: ignore[attr-defined]
@@ -59,7 +75,7 @@ def test_adapters_over_quantized_base_weights(tmp_path: Path, exact_kernels: Non
                     assert isinstance(weight, QuantLinear)
                     getattr(dense_layer, name).copy_(weight.dequantize(torch.float32))
             head = model.lm_head_quant  # the 4-bit methods' Q8_0 head of an fp32 model (quant.lm_head_format)
-            assert head is not None and head.kind == "q8_0"
+            assert head is not None and head.kind == head_kind
             dense_model.lm_head_weight = torch.nn.Parameter(head.dequantize(torch.float32), requires_grad=False)
         got = {name: _greedy(quantized, name) for name in [None, *adapters]}
         assert got == {name: _greedy(reference, name) for name in [None, *adapters]}
