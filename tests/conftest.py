@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -27,3 +28,18 @@ def exact_kernels() -> Iterator[None]:
     quant.kernel_dtype = None
     yield
     quant.kernel_dtype = saved
+
+
+@pytest.fixture(autouse=True)
+def default_cpu_options_afterwards() -> Iterator[None]:
+    """A test whose core was built with other ``CpuOptions`` (a forced ``--cpu-isa``, a switch off) leaves them
+    applied process-wide; the defaults go back after it, so a later test that builds no core of its own (an EAGLE
+    head, a bare model) runs on this machine's own path."""
+    yield
+    setup = sys.modules.get("nxdserve.engine.models.cpu_setup")
+    if setup is not None:
+        from nxdserve.cpu_options import CpuOptions
+
+        if setup.applied is not None and setup.applied != CpuOptions():
+            setup.apply(CpuOptions())
+

@@ -14,11 +14,16 @@ from nxdserve.engine.models import (
     quant,
 )
 
+# The options last applied (process-wide, as the switches are); None before the first call.
+applied: CpuOptions | None = None
+
 
 def apply(options: CpuOptions) -> str:
     """Set every switch from ``options``; returns the C kernels' path (``cpu_kernels.configure``). Raises
     ConfigError for an ISA this CPU cannot run."""
+    global applied
     path = cpu_kernels.configure(options.isa, options.amx)
+    applied = options
     gemm.enabled = options.gemm
     gemm.compression = options.compressed_weights
     fused_decode.enabled = options.fused_decode
