@@ -7,6 +7,7 @@ are rounded to bf16; an explicit ``--dtype float32``, ``--no-cpu-bf16-weights``,
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,10 @@ def _greedy(core: EngineCore) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in run_to_completion(core, PROMPTS, params)]
 
 
-def test_auto_dtype_without_native_bf16_serves_the_bf16_rounded_weights() -> None:
-    core = _core(cpu=CpuOptions(isa="avx2"))
+def test_auto_dtype_without_native_bf16_serves_the_bf16_rounded_weights(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="nxdserve.engine.backends.torch_backend"):
+        core = _core(cpu=CpuOptions(isa="avx2"))
+    assert "(weights: bf16, multiplied in fp32)" in caplog.text  # the start-up line says what is served
     assert core.backend.dtype == torch.float32  # type: ignore[attr-defined]
     linears = _linears(core)
     assert all(isinstance(w, quant.QuantLinear) and w.kind == "bf16" for w in linears)

@@ -116,7 +116,8 @@ class TorchBackend(Backend):
             config, _gguf_file(config), self.device, self.dtype, self.kernel_path, self.vlm is not None
         )
         config.quantization = self._quantize(config, model_path, self.weight_format)
-        if self._bf16_weights_apply(config):
+        bf16_weights = self._bf16_weights_apply(config)
+        if bf16_weights:
             from nxdserve.engine.models.quant import store_bf16
 
             self.model.quantize_linears(lambda _name, weight: store_bf16(weight))
@@ -127,7 +128,7 @@ class TorchBackend(Backend):
             self.model.spec.model_type,
             self.device,
             str(self.dtype).removeprefix("torch."),
-            config.quantization or "dense",
+            config.quantization or ("bf16, multiplied in fp32" if bf16_weights else "dense"),
             config.max_num_seqs,
             config.max_model_len,
             self.runner.kv_cache.nbytes / 2**20,
