@@ -81,10 +81,11 @@ static inline void fp8_widen(const uint8_t* p, __m256 q[4]) {
 }
 
 /* bf16: each 16-bit value zero-extended into a 32-bit lane and shifted up is the fp32 it stands for. */
+static inline __m256 bf16_load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 static inline void bf16_widen(const uint8_t* p, __m256 q[4]) {
-    for (int j = 0; j < 4; j++)
-        q[j] = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * j))), 16));
+    for (int j = 0; j < 4; j++) q[j] = bf16_load8((const uint16_t*)p + 8 * j);
 }
 
 /* acc[m] (m < MT) = sum over blocks of scale[b] * (codes . x[m]) for one weight row; MT a constant after
@@ -154,10 +155,11 @@ static inline void q8_widen16(const uint8_t* p, __m512 q[2]) {
             ACC[m] = _mm512_fmadd_ps(d, s, ACC[m]);                                                            \
         }                                                                                                      \
     }
+static inline __m512 bf16_load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 static inline void bf16_widen16(const uint8_t* p, __m512 q[2]) {
-    for (int j = 0; j < 2; j++)
-        q[j] = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p + 32 * j))), 16));
+    for (int j = 0; j < 2; j++) q[j] = bf16_load16((const uint16_t*)p + 16 * j);
 }
 #define DEFINE_ROW_AVX512(NAME, WIDEN, BYTES, SCALED) \
     DEFINE_ROW_X86(NAME, WIDEN, BYTES, SCALED, __m512, ROW_BLOCK_AVX512, _mm512_setzero_ps, _mm512_add_ps,  \
@@ -356,9 +358,7 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
 #define BF16_FMA _mm512_fmadd_ps
 #define BF16_LOADX _mm512_loadu_ps
 #define BF16_HSUM _mm512_reduce_add_ps
-static inline __m512 bf16_load(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+#define BF16_LOADW bf16_load16
 #else
 #define BF16_MR 6
 #define BF16_VEC __m256
@@ -367,9 +367,7 @@ static inline __m512 bf16_load(const uint16_t* p) {
 #define BF16_FMA _mm256_fmadd_ps
 #define BF16_LOADX _mm256_loadu_ps
 #define BF16_HSUM q_hsum
-static inline __m256 bf16_load(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
+#define BF16_LOADW bf16_load8
 #endif
 #define BF16_PAIRS 1
 /* d0[m], d1[m] (m < MT) = weight rows w0, w1 (K bf16 values each) . x[m]. */
@@ -379,7 +377,7 @@ static inline __attribute__((always_inline)) void bf16_pair_tile(const uint16_t*
     BF16_VEC a0[BF16_MR], a1[BF16_MR];
     for (int m = 0; m < MT; m++) a0[m] = a1[m] = BF16_ZERO();
     for (int64_t k = 0; k < K; k += BF16_STEP) {
-        const BF16_VEC v0 = bf16_load(w0 + k), v1 = bf16_load(w1 + k);
+        const BF16_VEC v0 = BF16_LOADW(w0 + k), v1 = BF16_LOADW(w1 + k);
         for (int m = 0; m < MT; m++) {
             const BF16_VEC xv = BF16_LOADX(x + m * xs + k);
             a0[m] = BF16_FMA(v0, xv, a0[m]);
