@@ -49,12 +49,15 @@ def weight_bytes(model: object, rows: int) -> int:
         limit = measured
     dense_bytes = 2 if getattr(model, "dtype", None) == torch.bfloat16 else 4  # the dense copies' dtype
 
+    kernel_rows = getattr(quant, "KERNEL_ROWS", None)  # None: a tree that kept dense copies of fp32 calls too
+
     def size(w: object) -> int:
         if isinstance(w, quant.QuantLinear):
-            if getattr(w, "kind", "") == "bf16":  # the kernel up to BF16_KERNEL_ROWS rows, a widened fp32 copy above
-                return w.nbytes if rows <= quant.BF16_KERNEL_ROWS else w.out_features * w.in_features * 4
+            widened = dense_bytes == 4 or getattr(w, "kind", "") == "bf16"
+            if kernel_rows is not None and widened and (not limit or rows <= kernel_rows):
+                return w.nbytes  # the kernel (paired rows above a few): the codes
             if limit is not None and rows > limit and getattr(quant, "dense_rows", None):
-                return w.out_features * w.in_features * dense_bytes
+                return w.out_features * w.in_features * (4 if widened else dense_bytes)  # a dense or widened copy
             return w.nbytes
         assert isinstance(w, torch.Tensor)
         return w.numel() * w.element_size()
@@ -64,6 +67,33 @@ def weight_bytes(model: object, rows: int) -> int:
         total += sum(size(getattr(layer, attr)) for attr in model.QUANTIZABLE)  # type: ignore[attr-defined]
     head = getattr(model, "lm_head_quant", None) or model.lm_head_weight  # type: ignore[attr-defined]
     return total + size(head)
+
+
+def resident_bytes(model: object) -> int:
+    """Bytes the model's weights hold after the run: each distinct storage reachable from its tensors and its
+    quantized linears (their codes, scales, kernel layouts and any dense copies kept on them), counted once."""
+    from nxdserve.engine.models import quant
+
+    seen: dict[int, int] = {}
+
+    def visit(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen[storage.data_ptr()] = storage.nbytes()
+                visit(vars(obj))  # copies kept on the tensor (gemm.kept: packed / compressed layouts)
+        elif isinstance(obj, quant.QuantLinear):
+            for value in vars(obj).values():
+                visit(value)
+        elif isinstance(obj, dict | list | tuple):
+            for value in obj.values() if isinstance(obj, dict) else obj:
+                visit(value)
+        elif hasattr(obj, "tensors"):  # cpu_kernels.QgemmWeight: the layout its struct points into
+            visit(obj.tensors)
+
+    for module in model.modules():  # type: ignore[attr-defined]
+        visit(vars(module))  # its parameters and buffers dicts, and the linears set on it as attributes
+    return sum(seen.values())
 
 
 def bench_prefill(core: object, tokens: int, rounds: int = 3) -> float:
@@ -128,6 +158,8 @@ def main() -> None:
             share = nbytes / (args.bandwidth_gbs * 1e9) / (result["step_ms"] / 1e3)
             rows.append({"config": spec, "served": config.quantization or "dense", "batch": batch,
                          "weight_mb": nbytes / 1e6, "bw_share": share, "prefill_ms": prefill, **result})
+        for r in rows[-len(args.batches):]:
+            r["resident_mb"] = resident_bytes(model) / 1e6
         del core, model
     print(f"{args.label} --cpu-isa {args.cpu_isa}; decode tok/s (ratio to the first config at the same batch); "
           f"bandwidth share = weight bytes per step / {args.bandwidth_gbs:g} GB/s / step time")
@@ -140,7 +172,7 @@ def main() -> None:
                 label = f"{r['config']} -> {r['served']}" if auto else str(r["config"])
                 print(f"batch {batch:>3}  {label:<16} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
                       f"step {float(r['step_ms']):6.1f} ms  weights {float(r['weight_mb']):6.1f} MB  "  # type: ignore[arg-type]
-                      f"bw {100 * float(r['bw_share']):5.1f}%"  # type: ignore[arg-type]
+                      f"bw {100 * float(r['bw_share']):5.1f}%  resident {float(r['resident_mb']):6.1f} MB"  # type: ignore[arg-type]
                       + ("" if r["prefill_ms"] is None else f"  prefill {float(r['prefill_ms']):6.1f} ms"))  # type: ignore[arg-type]
     if args.json:
         with open(args.json, "w") as f:

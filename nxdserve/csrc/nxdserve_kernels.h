@@ -169,7 +169,8 @@ typedef struct nxd_qgemm_args {
 } nxd_qgemm_args;
 
 void qgemm_f32(const nxd_qgemm_args* a);
-void bf16_widen_f32(const uint16_t* src, float* dst, int64_t n, int nthreads);
+/* dst (N, K) fp32 = the weight of a's format (w, scale, offset, K, N, format, nthreads read), widened. */
+void q_widen_f32(const nxd_qgemm_args* a, float* dst);
 
 /* ---- qdecode.c: the fused forward of a quantized decoder stack for a few rows (every variant) --------------- */
 /* x (T, H) fp32, overwritten with the stack's output (final-normed where final_norm is not NULL). lw:

@@ -345,73 +345,134 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
     }
 }
 
-/* bf16 weights at more than a decode step's rows (a batch of sequences, a prefill chunk): FLOP-bound, so two
-   weight rows share each load of x and each widened weight vector serves BF16_MR rows of x, with one FMA per 8
-   (16) products and no per-block scale; 2 x BF16_MR accumulators stay in registers. Rows of W are paired
-   (2i, 2i + 1) whatever the thread split, so results do not depend on it; a last odd row takes q_weight_row. */
+/* Weight row n of format fmt as fp32 (K values into dst): what the row kernels multiply by, w = code * scale +
+   offset (one rounding, an FMA). The paired rows below widen each row once per call into a thread's buffer, and
+   q_widen_f32 a whole weight for a call of many rows. */
+static inline void q_row_to_f32(int fmt, const uint8_t* w, const float* scale, const float* offset,
+                                int64_t row_bytes, int64_t nb, int64_t n, float* dst) {
+    const uint8_t* wr = w + n * row_bytes;
+    const int64_t block_bytes = row_bytes / nb;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* p = wr + b * block_bytes;
+        float s = fmt == 3 ? 1.f : scale[n * nb + b], o = fmt == 0 ? offset[n * nb + b] : 0.f;
+        if (fmt == 2) s *= FP8_ROW_UNIT;
+        float* d = dst + b * QB;
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 q[4];
+        if (fmt == 0) q4_widen(p, q);
+        else if (fmt == 1) q8_widen(p, q);
+        else if (fmt == 2) fp8_widen(p, q);
+        else bf16_widen(p, q);
+        const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(d + 8 * j, _mm256_fmadd_ps(q[j], vs, vo));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+        float32x4_t q[8];
+        if (fmt == 0) q4_widen(p, q);
+        else if (fmt == 1) q8_widen(p, q);
+        else if (fmt == 2) fp8_widen(p, q);
+        else bf16_widen(p, q);
+        for (int j = 0; j < 8; j++) vst1q_f32(d + 4 * j, vfmaq_n_f32(vdupq_n_f32(o), q[j], s));
+#else
+        float q[QB];
+        if (fmt == 0) q4_widen(p, q);
+        else if (fmt == 1) q8_widen(p, q);
+        else if (fmt == 2) fp8_widen(p, q);
+        else bf16_widen(p, q);
+        for (int i = 0; i < QB; i++) d[i] = q[i] * s + o;
+#endif
+    }
+}
+
+/* More than a decode step's rows (a batch of sequences, a prefill chunk) are bound by FLOPs, so two weight rows
+   share each load of x and each weight vector serves Q_MR rows of x, one FMA per 8 (16) products, 2 x Q_MR
+   accumulators in registers. bf16 rows widen in the loop (a shift); the other formats' rows are widened once per
+   call into a thread's fp32 buffer (q_row_to_f32, 2K floats: in L1/L2), so the loop reads fp32 and the
+   per-block scales cost nothing there. Rows of W are paired (2i, 2i + 1) whatever the thread split, so results
+   do not depend on it; a last odd row takes q_weight_row. */
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define BF16_MR 12
-#define BF16_VEC __m512
-#define BF16_STEP 16
-#define BF16_ZERO _mm512_setzero_ps
-#define BF16_FMA _mm512_fmadd_ps
-#define BF16_LOADX _mm512_loadu_ps
-#define BF16_HSUM _mm512_reduce_add_ps
+#define Q_MR 12
+#define Q_VEC __m512
+#define Q_STEP 16
+#define Q_ZERO _mm512_setzero_ps
+#define Q_FMA _mm512_fmadd_ps
+#define Q_LOADX _mm512_loadu_ps
+#define Q_HSUM _mm512_reduce_add_ps
 #define BF16_LOADW bf16_load16
 #else
-#define BF16_MR 6
-#define BF16_VEC __m256
-#define BF16_STEP 8
-#define BF16_ZERO _mm256_setzero_ps
-#define BF16_FMA _mm256_fmadd_ps
-#define BF16_LOADX _mm256_loadu_ps
-#define BF16_HSUM q_hsum
+#define Q_MR 6
+#define Q_VEC __m256
+#define Q_STEP 8
+#define Q_ZERO _mm256_setzero_ps
+#define Q_FMA _mm256_fmadd_ps
+#define Q_LOADX _mm256_loadu_ps
+#define Q_HSUM q_hsum
 #define BF16_LOADW bf16_load8
 #endif
-#define BF16_PAIRS 1
-/* d0[m], d1[m] (m < MT) = weight rows w0, w1 (K bf16 values each) . x[m]. */
-static inline __attribute__((always_inline)) void bf16_pair_tile(const uint16_t* w0, const uint16_t* w1,
-                                                                 const float* x, int64_t xs, int64_t K, int MT,
-                                                                 float* d0, float* d1) {
-    BF16_VEC a0[BF16_MR], a1[BF16_MR];
-    for (int m = 0; m < MT; m++) a0[m] = a1[m] = BF16_ZERO();
-    for (int64_t k = 0; k < K; k += BF16_STEP) {
-        const BF16_VEC v0 = BF16_LOADW(w0 + k), v1 = BF16_LOADW(w1 + k);
-        for (int m = 0; m < MT; m++) {
-            const BF16_VEC xv = BF16_LOADX(x + m * xs + k);
-            a0[m] = BF16_FMA(v0, xv, a0[m]);
-            a1[m] = BF16_FMA(v1, xv, a1[m]);
-        }
-    }
-    for (int m = 0; m < MT; m++) {
-        d0[m] = BF16_HSUM(a0[m]);
-        d1[m] = BF16_HSUM(a1[m]);
-    }
+#define Q_PAIRS 1
+/* d0[m], d1[m] (m < MT) = weight rows w0, w1 (K values of type WT, loaded as fp32 vectors by LOADW) . x[m]. */
+#define DEFINE_PAIR_TILE(NAME, WT, LOADW)                                                                     \
+static inline __attribute__((always_inline)) void NAME(const WT* w0, const WT* w1, const float* x, int64_t xs, \
+                                                       int64_t K, int MT, float* d0, float* d1) {             \
+    Q_VEC a0[Q_MR], a1[Q_MR];                                                                                  \
+    for (int m = 0; m < MT; m++) a0[m] = a1[m] = Q_ZERO();                                                     \
+    for (int64_t k = 0; k < K; k += Q_STEP) {                                                                  \
+        const Q_VEC v0 = LOADW(w0 + k), v1 = LOADW(w1 + k);                                                    \
+        for (int m = 0; m < MT; m++) {                                                                         \
+            const Q_VEC xv = Q_LOADX(x + m * xs + k);                                                          \
+            a0[m] = Q_FMA(v0, xv, a0[m]);                                                                      \
+            a1[m] = Q_FMA(v1, xv, a1[m]);                                                                      \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int m = 0; m < MT; m++) {                                                                             \
+        d0[m] = Q_HSUM(a0[m]);                                                                                 \
+        d1[m] = Q_HSUM(a1[m]);                                                                                 \
+    }                                                                                                          \
 }
-/* The pair's dots for all M rows of x, in tiles of BF16_MR (each tile size its own unrolled body). */
-static void bf16_pair_rows(const uint16_t* w0, const uint16_t* w1, const float* x, int64_t xs, int64_t K, int64_t M,
-                           float* d0, float* d1) {
-    for (int64_t m0 = 0; m0 < M; m0 += BF16_MR) {
-        const int mt = (int)(M - m0 < BF16_MR ? M - m0 : BF16_MR);
-        const float* xt = x + m0 * xs;
-        switch (mt) {
-#define BF16_CASE(T) case T: bf16_pair_tile(w0, w1, xt, xs, K, T, d0 + m0, d1 + m0); break;
-            BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5)
-#if BF16_MR > 6
-            BF16_CASE(6) BF16_CASE(7) BF16_CASE(8) BF16_CASE(9) BF16_CASE(10) BF16_CASE(11)
-#endif
-#undef BF16_CASE
-            default: bf16_pair_tile(w0, w1, xt, xs, K, BF16_MR, d0 + m0, d1 + m0); break;
-        }
-    }
+/* The pair's dots for all M rows of x, in tiles of Q_MR (each tile size its own unrolled body). */
+#define DEFINE_PAIR_ROWS(NAME, TILE, WT)                                                                      \
+static void NAME(const WT* w0, const WT* w1, const float* x, int64_t xs, int64_t K, int64_t M, float* d0,     \
+                 float* d1) {                                                                                  \
+    for (int64_t m0 = 0; m0 < M; m0 += Q_MR) {                                                                 \
+        const int mt = (int)(M - m0 < Q_MR ? M - m0 : Q_MR);                                                   \
+        const float* xt = x + m0 * xs;                                                                         \
+        switch (mt) {                                                                                          \
+            case 1: TILE(w0, w1, xt, xs, K, 1, d0 + m0, d1 + m0); break;                                       \
+            case 2: TILE(w0, w1, xt, xs, K, 2, d0 + m0, d1 + m0); break;                                       \
+            case 3: TILE(w0, w1, xt, xs, K, 3, d0 + m0, d1 + m0); break;                                       \
+            case 4: TILE(w0, w1, xt, xs, K, 4, d0 + m0, d1 + m0); break;                                       \
+            case 5: TILE(w0, w1, xt, xs, K, 5, d0 + m0, d1 + m0); break;                                       \
+            Q_PAIR_WIDE_CASES(TILE)                                                                            \
+            default: TILE(w0, w1, xt, xs, K, Q_MR, d0 + m0, d1 + m0); break;                                   \
+        }                                                                                                      \
+    }                                                                                                          \
 }
+#if Q_MR > 6
+#define Q_PAIR_WIDE_CASES(TILE)                                                                                \
+    case 6: TILE(w0, w1, xt, xs, K, 6, d0 + m0, d1 + m0); break;                                               \
+    case 7: TILE(w0, w1, xt, xs, K, 7, d0 + m0, d1 + m0); break;                                               \
+    case 8: TILE(w0, w1, xt, xs, K, 8, d0 + m0, d1 + m0); break;                                               \
+    case 9: TILE(w0, w1, xt, xs, K, 9, d0 + m0, d1 + m0); break;                                               \
+    case 10: TILE(w0, w1, xt, xs, K, 10, d0 + m0, d1 + m0); break;                                             \
+    case 11: TILE(w0, w1, xt, xs, K, 11, d0 + m0, d1 + m0); break;
 #else
-#define BF16_PAIRS 0
+#define Q_PAIR_WIDE_CASES(TILE)
 #endif
-/* Rows of x from which bf16 weights take the paired path (below it the row kernel's latency-hiding order wins). */
+DEFINE_PAIR_TILE(bf16_pair_tile, uint16_t, BF16_LOADW)
+DEFINE_PAIR_TILE(f32_pair_tile, float, Q_LOADX)
+DEFINE_PAIR_ROWS(bf16_pair_rows, bf16_pair_tile, uint16_t)
+DEFINE_PAIR_ROWS(f32_pair_rows, f32_pair_tile, float)
+#else
+#define Q_PAIRS 0
+#endif
+/* Rows of x from which the paired path serves (below it the row kernel's latency-hiding order wins): bf16 from 3;
+   the other formats, whose rows are widened once per call, from Q_PAIR_MIN (measured: perf_notes.md, "paired
+   rows"). */
 #ifndef BF16_PAIR_MIN
 #define BF16_PAIR_MIN 3
+#endif
+#ifndef Q_PAIR_MIN
+#define Q_PAIR_MIN 12
 #endif
 
 /* Bytes of one weight row of K elements in format fmt. */
@@ -431,18 +492,26 @@ void qgemm_f32(const nxd_qgemm_args* a) {
     /* Chunks of weight rows taken as threads free up: on a shared machine a descheduled sibling no longer holds
        half the rows (each row is computed whole by one thread, so the results do not depend on the split). */
     const int64_t chunk = q_rows_chunk(N, nt);
-#if BF16_PAIRS
-    if (fmt == 3 && M >= BF16_PAIR_MIN) {
+#if Q_PAIRS
+    if (M >= (fmt == 3 ? BF16_PAIR_MIN : Q_PAIR_MIN)) {
         const int64_t pairs = (N + 1) / 2;
         _Pragma("omp parallel num_threads(nt)")
         {
             float* dot = (float*)malloc(sizeof(float) * (size_t)(2 * M));
+            float* wide = fmt == 3 ? NULL : (float*)malloc(sizeof(float) * (size_t)(2 * K));
             _Pragma("omp for schedule(dynamic, chunk / 2)")
             for (int64_t p = 0; p < pairs; p++) {
                 const int64_t n = 2 * p, rows = n + 1 < N ? 2 : 1;
-                const uint16_t* w0 = (const uint16_t*)(a->w + n * row_bytes);
-                if (rows == 2) bf16_pair_rows(w0, w0 + K, a->x, xs, K, M, dot, dot + M);
-                else q_weight_row(fmt, a->w, NULL, NULL, row_bytes, nb, n, a->x, xs, NULL, M, dot);
+                if (rows == 1) {
+                    q_weight_row(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, a->x, xs, xsum, M, dot);
+                } else if (fmt == 3) {
+                    const uint16_t* w0 = (const uint16_t*)(a->w + n * row_bytes);
+                    bf16_pair_rows(w0, w0 + K, a->x, xs, K, M, dot, dot + M);
+                } else {
+                    q_row_to_f32(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, wide);
+                    q_row_to_f32(fmt, a->w, a->scale, a->offset, row_bytes, nb, n + 1, wide + K);
+                    f32_pair_rows(wide, wide + K, a->x, xs, K, M, dot, dot + M);
+                }
                 for (int64_t r = 0; r < rows; r++)
                     for (int64_t m = 0; m < M; m++) {
                         float v = dot[r * M + m];
@@ -450,8 +519,10 @@ void qgemm_f32(const nxd_qgemm_args* a) {
                         a->out[m * a->os + n + r] = v;
                     }
             }
+            free(wide);
             free(dot);
         }
+        free(xsum);
         return;
     }
 #endif
@@ -473,14 +544,13 @@ void qgemm_f32(const nxd_qgemm_args* a) {
     free(xsum);
 }
 
-/* dst (n floats) = src (n bf16 values) widened, over nthreads: a bf16 weight's transient fp32 copy for a call of
-   many rows (a prefill chunk), where a dense GEMM wins and keeping the copy would cost 2x the weight's memory.
-   (torch's own .float() of a 49152 x 576 head took ~45 ms on one thread, this ~5 ms.) */
-void bf16_widen_f32(const uint16_t* src, float* dst, int64_t n, int nthreads) {
-    const int nt = n < (1 << 16) ? 1 : (nthreads < 1 ? 1 : nthreads);
+/* dst (N, K) fp32 = the whole weight of a's format (q_row_to_f32 per row, rows over nthreads): the transient fp32
+   copy for a call of many rows (a prefill chunk), where a dense GEMM wins and keeping the copy would cost the
+   codes' memory again several times over. (torch's own .float() of a bf16 49152 x 576 head took ~45 ms on one
+   thread, this ~5 ms.) */
+void q_widen_f32(const nxd_qgemm_args* a, float* dst) {
+    const int64_t K = a->K, N = a->N, nb = K / QB, row_bytes = q_row_bytes(a->format, K);
+    const int nt = N * K < (1 << 16) ? 1 : (a->nthreads < 1 ? 1 : a->nthreads);
     _Pragma("omp parallel for num_threads(nt) schedule(static)")
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &bits, 4);
-    }
+    for (int64_t n = 0; n < N; n++) q_row_to_f32(a->format, a->w, a->scale, a->offset, row_bytes, nb, n, dst + n * K);
 }

@@ -23,7 +23,7 @@ from tests.helpers.cpu_paths import forced_cpu_path
 
 PATHS = cpu_kernels.runnable_paths()
 KERNEL_PATHS = [p for p in PATHS if p != "none"]
-ROWS = (1, 2, 3, 5, 8, 17)
+ROWS = (1, 2, 3, 5, 8, 12, 17)  # from 12 (3 for bf16) the paired rows; 17 a partial tile and an odd N
 WIDTHS = (64, 576, 1536)
 N = 77  # not a multiple of 8 or 16
 
@@ -109,21 +109,69 @@ def test_quant_linear_computes_its_dequantized_weight_on_every_path(path: str, m
         torch.testing.assert_close(out.float(), F.linear(xb.float(), dense), rtol=2e-2, atol=2e-2)  # bf16 out
 
 
-def test_rows_above_the_threshold_use_a_dense_copy_and_give_the_same_results() -> None:
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "int4-g128"])
+def test_fp32_calls_of_any_size_keep_no_dense_copy(method: str) -> None:
+    """fp32 activations: above ``dense_rows`` the kernel's paired rows up to KERNEL_ROWS, a transient widened copy
+    above it; the same products to fp32 rounding, and only the codes' kernel layout stays on the weight."""
+    torch.manual_seed(1)
+    q = quant.quantize(torch.randn(N, 576) * 0.1, method)
+    dense = q.dequantize()
+    try:
+        for options in (CpuOptions(quant_dense_rows=0), CpuOptions(quant_dense_rows=4)):
+            cpu_setup.apply(options)
+            for rows in (3, 12, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 150):
+                x = torch.randn(rows, 576)
+                _close(q(x), F.linear(x, dense), x, dense)
+        assert set(q.__dict__.get("_cache", {})) <= {"kernel"}
+    finally:
+        cpu_setup.apply(CpuOptions())
+
+
+def test_bf16_calls_above_the_threshold_use_a_kept_bf16_copy() -> None:
+    """bf16 activations (a bf16 model, whose fused forward reads the same copy) above ``dense_rows``: a dense bf16
+    copy made once; at or below it the kernel on the codes."""
     torch.manual_seed(1)
     q = quant.quantize(torch.randn(N, 576) * 0.1, "int4-g32")
-    x = torch.randn(12, 576)
+    x = torch.randn(12, 576).bfloat16()
     try:
         cpu_setup.apply(CpuOptions(quant_dense_rows=0))
         kernel = q(x)
-        assert ("dense", torch.float32) not in q.__dict__.get("_cache", {})  # 0: no dense copy is ever made
+        assert ("dense", torch.bfloat16) not in q.__dict__.get("_cache", {})  # 0: no dense copy is ever made
         cpu_setup.apply(CpuOptions(quant_dense_rows=4))
         copied = q(x)
-        assert ("dense", torch.float32) in q.__dict__["_cache"]  # with or without the kernels
+        assert ("dense", torch.bfloat16) in q.__dict__["_cache"]  # with or without the kernels
         assert q(x[:4]).shape == (4, N)
     finally:
         cpu_setup.apply(CpuOptions())
-    _close(kernel, copied, x, q.dequantize())
+    torch.testing.assert_close(kernel.float(), copied.float(), rtol=2e-2, atol=2e-2)  # bf16 outputs
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "fp8", "bf16"])
+@pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
+def test_widened_copy_equals_the_dense_expansion(kernel_path: str, fmt: str) -> None:
+    """``QgemmWeight.to_f32`` (csrc/qgemm.c's q_widen_f32): each weight to one fp32 rounding of code * scale +
+    offset, on every build."""
+    assert cpu_setup.apply(CpuOptions(isa=kernel_path)) == kernel_path
+    gen = torch.Generator().manual_seed(7)
+    try:
+        k = 576
+        if fmt == "q4":
+            codes, scale, offset = _q4_codes(N, k, gen)
+            q = quant.int4_from_codes(codes, scale, offset, 32, k)
+            layout, dense = (q.data, q.scales, q.offsets), q.dequantize()
+        elif fmt == "bf16":
+            weight = torch.randn(N, k, generator=gen).to(torch.bfloat16)
+            layout, dense = (weight, None, None), weight.float()
+        else:
+            weight = torch.randint(-127, 128, (N, k), generator=gen, dtype=torch.int8)
+            if fmt == "fp8":
+                weight = (torch.randn(N, k, generator=gen) * 100).to(torch.float8_e4m3fn)
+            scales = torch.rand(N, k // 32, generator=gen) * 0.01
+            layout, dense = (weight, scales, None), (weight.float().view(N, -1, 32) * scales[..., None]).view(N, k)
+        wide = cpu_kernels.QgemmWeight(*layout, fmt).to_f32()
+        torch.testing.assert_close(wide, dense, rtol=2e-7, atol=1e-7)
+    finally:
+        cpu_setup.apply(CpuOptions())
 
 
 def test_without_kernels_small_calls_take_torch_ops_and_large_ones_the_dense_copy() -> None:

@@ -356,7 +356,7 @@ def load(path: Path) -> ctypes.CDLL:
                 fn.argtypes, fn.restype = argtypes, restype
     lib.qgemm_f32.argtypes, lib.qgemm_f32.restype = [ctypes.POINTER(QgemmArgs)], None
     lib.qgemm_i8_f32.argtypes, lib.qgemm_i8_f32.restype = [ctypes.POINTER(QgemmArgs)], None
-    lib.bf16_widen_f32.argtypes, lib.bf16_widen_f32.restype = [_p, _p, _i64, ctypes.c_int], None
+    lib.q_widen_f32.argtypes, lib.q_widen_f32.restype = [ctypes.POINTER(QgemmArgs), _p], None
     lib.qdecode_forward_f32.argtypes, lib.qdecode_forward_f32.restype = [ctypes.POINTER(QdecodeArgs)], None
     lib.omp_bind_team.argtypes = [ctypes.c_int, _p, ctypes.c_int, ctypes.c_int]
     lib.omp_bind_team.restype = ctypes.c_int
@@ -694,21 +694,25 @@ class QgemmWeight:
         return out
 
 
-_widened = threading.local()  # per thread: the fp32 buffer bf16_to_f32 widens into
+    def to_f32(self) -> torch.Tensor:
+        """The whole weight widened to fp32 (N, K) over the intra-op threads (``q_widen_f32``, csrc/qgemm.c), into
+        this thread's buffer, valid until its next call: a call of many rows (a prefill chunk) multiplies by it
+        with the dense GEMM and keeps nothing. A fresh allocation per call page-faulted its way in (a prefill chunk
+        widens every linear) and cost as much again as the widening."""
+        lib = _library()
+        assert lib is not None
+        size = self.out_features * self.in_features
+        buffer = getattr(_widened, "buffer", None)
+        if buffer is None or buffer.numel() < size:
+            buffer = _widened.buffer = torch.empty(size, dtype=torch.float32)
+        out = buffer[:size].view(self.out_features, self.in_features)
+        a = QgemmArgs.from_buffer_copy(self.args)
+        a.nthreads = torch.get_num_threads()
+        lib.q_widen_f32(ctypes.byref(a), out.data_ptr())
+        return out
 
 
-def bf16_to_f32(weight: torch.Tensor) -> torch.Tensor:
-    """A contiguous bf16 tensor widened to fp32 over the intra-op threads (``bf16_widen_f32``, csrc/qgemm.c), into
-    this thread's buffer, valid until its next call: a fresh allocation per call page-faulted its way in (a prefill
-    chunk widens every linear) and cost as much again as the widening."""
-    lib = _library()
-    assert lib is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous()
-    buffer = getattr(_widened, "buffer", None)
-    if buffer is None or buffer.numel() < weight.numel():
-        buffer = _widened.buffer = torch.empty(weight.numel(), dtype=torch.float32)
-    out = buffer[: weight.numel()].view(weight.shape)
-    lib.bf16_widen_f32(weight.data_ptr(), out.data_ptr(), weight.numel(), torch.get_num_threads())
-    return out
+_widened = threading.local()  # per thread: the fp32 buffer QgemmWeight.to_f32 widens into
 
 
 def qgemm(

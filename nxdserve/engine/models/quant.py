@@ -9,8 +9,12 @@ Per call the rows decide (``dense_rows``, ``CpuOptions.quant_dense_rows``, measu
 
 - a few rows (decode: bound by the weight's bytes): the C kernel, fp32 activations, the codes widened in
   registers: the dense fp32 expansion's results to fp32 rounding;
-- more rows (bound by FLOPs): a dense copy expanded once from the codes in the activations' dtype, through the
-  dense path.
+- fp32 activations, more rows (bound by FLOPs): up to ``KERNEL_ROWS`` rows the kernel's paired rows (each weight
+  row widened once per call into a thread's buffer, then two rows against many rows of x); a prefill chunk above
+  that a transient fp32 copy (``QgemmWeight.to_f32``) and the dense GEMM. Nothing is kept: the weights' memory
+  is the codes'.
+- bf16 activations (a bf16 model, whose fused AVX512-BF16 / AMX forward reads the same copy), more rows: a dense
+  bf16 copy expanded once from the codes and kept (codes + 2 bytes a weight).
 
 Without the C kernels (``--cpu-isa none``, no compiler) PyTorch's own weight-only ops run: int8
 ``aten._weight_int8pack_mm``; 4-bit ``aten._weight_int4pack_mm_for_cpu`` (its layout made from the codes on first
@@ -45,10 +49,11 @@ dense_rows = DENSE_ROWS
 # The small-row kernel rounds the activations to int8 per 32-block and takes integer dot products (q4 and int8
 # codes; csrc/qgemm_i8.c). Off by default: it changes results. Set from CpuOptions.quant_int8_activations.
 int8_activations = False
-# bf16 weights (store_bf16): calls of up to this many rows run the kernel's paired bf16 rows, more a transient
-# fp32 copy and the dense GEMM. Measured with the AVX2 build against MKL held to AVX2 (perf_notes.md, "bf16
-# weights"): the kernel 0.9-1.17x sgemm's time at 32 rows, 1.2-1.6x at 64, where widening per call costs ~1.15x.
-BF16_KERNEL_ROWS = 32
+# Calls in fp32 (and bf16 weights' calls) of up to this many rows run the kernel (paired rows above a few), more a
+# transient fp32 copy and the dense GEMM. Measured with the AVX2 build against MKL held to AVX2 (perf_notes.md,
+# "bf16 weights", "paired rows"): the bf16 kernel 0.9-1.17x sgemm's time at 32 rows, 1.2-1.6x at 64, where
+# widening per call costs ~1.15x.
+KERNEL_ROWS = 32
 
 
 @dataclass(eq=False)
@@ -99,27 +104,25 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` (+ ``residual``, rounded as the eager ``out + residual``) for x (M, K) in fp32 or bf16."""
-        if self.kind == "bf16":
-            return self._bf16_call(x, residual)
-        if _kernel_serves(x, x.shape[0]):
-            kernel = self._kernel_args()
-            if kernel is not None:
+        kernel = self._kernel_args() if _kernels_take(x) else None
+        if kernel is not None:
+            rows = x.shape[0]
+            widened = x.dtype == torch.float32 or self.kind == "bf16"  # calls that never keep a dense copy
+            if not dense_rows or rows <= dense_rows or (widened and rows <= KERNEL_ROWS):
                 return self._kernel_call(x, kernel, residual)
+            if widened:
+                return self._widened_call(x, kernel, residual)
         out = self._torch_call(x)
         return out if residual is None else out + residual
 
-    def _bf16_call(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """bf16 weights: up to ``BF16_KERNEL_ROWS`` rows the kernel's bf16 rows; more (a prefill chunk, where the
-        dense GEMM's speed pays for widening the weight once per call) a transient fp32 copy, never kept: the
-        point of the format is half of fp32's memory as well as of its bytes a step."""
-        cpu = x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
-        if cpu and x.shape[0] <= BF16_KERNEL_ROWS and _kernels_on() and x.dtype in (torch.float32, torch.bfloat16):
-            return self._kernel_call(x, self._kernel_args(), residual)
-        from nxdserve.engine.models import cpu_kernels
+    def _widened_call(self, x: torch.Tensor, kernel: Any, residual: torch.Tensor | None) -> torch.Tensor:
+        """A call of many rows (a prefill chunk, where the dense GEMM's speed pays for widening the weight once per
+        call): a transient fp32 copy, never kept, so that the weights' memory stays the codes'."""
         from nxdserve.engine.models.linear import linear
 
-        wide = cpu_kernels.bf16_to_f32(self.data) if cpu and _kernels_on() else self.data.float()
-        out = linear(x, wide if x.dtype == torch.float32 else wide.to(x.dtype))
+        wide = kernel.to_f32()
+        xw = x if kernel.in_features == self.in_features else F.pad(x, (0, kernel.in_features - self.in_features))
+        out = linear(xw, wide if x.dtype == torch.float32 else wide.to(x.dtype))
         return out if residual is None else out + residual
 
     def _kernel_args(self) -> Any:
@@ -169,10 +172,12 @@ class QuantLinear:
         without the kernels PyTorch's weight-only ops for the smaller ones. Measured without kernels (AVX2,
         perf_notes.md): int4pack at 16-32 rows within 7% of the dense fp32 GEMM's time, 1.4x it at 64, and at 32
         concurrent the engine served 0.90x dense fp32 with int4pack (its bf16 casts) for every call."""
+        from nxdserve.engine.models.linear import linear
+
+        if self.kind == "bf16":  # keeping a wider copy would undo the format's point
+            return linear(x, self.data.to(x.dtype))
         large = bool(dense_rows) and x.shape[0] > dense_rows and x.device.type == "cpu"
         if large or _kernels_on() or self.kind in ("fp8", "q8_0"):
-            from nxdserve.engine.models.linear import linear
-
             return linear(x, self.dense_copy(x.dtype))
         act = kernel_dtype or x.dtype
         xb = x.to(act).contiguous()
@@ -251,12 +256,9 @@ def _kernels_on() -> bool:
     return cpu_kernels.available()
 
 
-def _kernel_serves(x: torch.Tensor, rows: int) -> bool:
-    """Whether a call of ``rows`` rows goes to the C kernel: CPU, no autograd, the kernels built, rows within
-    ``dense_rows`` (0: every call)."""
+def _kernels_take(x: torch.Tensor) -> bool:
+    """Whether the C kernels can take a call on ``x``: CPU, fp32 or bf16, no autograd, the kernels built."""
     if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
-        return False
-    if dense_rows and rows > dense_rows:
         return False
     return x.dtype in (torch.float32, torch.bfloat16) and _kernels_on()
 
@@ -454,7 +456,7 @@ METHODS: dict[str, tuple[str, int]] = {
 def store_bf16(weight: torch.Tensor) -> QuantLinear:
     """A dense (N, K) weight kept in bfloat16 and multiplied in fp32 (``CpuOptions.bf16_weights``): a CPU without
     native bf16 arithmetic reads half of fp32's bytes a decode step through the kernel's bf16 rows, which widen
-    each value by a shift; calls above ``BF16_KERNEL_ROWS`` rows widen a transient fp32 copy."""
+    each value by a shift; calls above ``KERNEL_ROWS`` rows widen a transient fp32 copy."""
     n, k = weight.shape
     return QuantLinear("bf16", n, k, weight.detach().to(torch.bfloat16).contiguous(), torch.empty(0))
 
