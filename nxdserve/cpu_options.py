@@ -37,8 +37,9 @@ class CpuOptions:
     kv_huge_pages: bool = True  # the KV cache in transparent huge pages (Linux)
     thread_governor: bool = True  # a step on all intra-op threads or one, by the machine's load
     bind_threads: bool = True  # the forward's intra-op threads bound one per CPU
-    # Quantized linears: calls of up to this many rows run the C kernel on the codes, more rows a dense copy
-    # expanded once (0: the kernel for every call, no dense copy). Default: the measured crossover (perf_notes.md).
+    # Quantized linears: calls of up to this many rows run the C kernel's row path on the codes; more rows of fp32
+    # activations its paired rows (to quant.KERNEL_ROWS) or a transient widened copy, more rows of bf16 activations
+    # a dense bf16 copy kept (0: the kernel for every call, no copy). Default: the measured crossover (perf_notes.md).
     quant_dense_rows: int = 16
     # Quantized linears' small-row kernel: activations rounded to int8 per 32 columns, integer dot products with
     # the 4-bit / int8 codes (csrc/qgemm_i8.c). Off: results change (the activations' rounding), so opt-in.
@@ -107,8 +108,9 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=CpuOptions.quant_dense_rows,
         metavar="N",
-        help="quantized linears: steps of up to N rows run the C kernel on the 4/8-bit codes, larger ones a dense "
-        "copy expanded once from them (0 = the kernel always, no dense copy)",
+        help="quantized linears: steps of up to N rows run the C kernel on the 4/8-bit codes; larger ones its "
+        "paired rows (fp32, to 32 rows), a transient widened copy (fp32, more rows) or, in a bf16 model, a dense "
+        "bf16 copy kept (0 = the kernel always)",
     )
     group.add_argument(
         "--cpu-quant-int8-activations",

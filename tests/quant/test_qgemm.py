@@ -266,3 +266,28 @@ def test_default_model_gguf_logits_equal_its_dequantized_blocks_in_fp32(
     finally:
         dense.lm_head_weight = saved
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=float(ref.abs().max()) * 1e-5)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "bf16"])
+def test_a_served_weight_holds_its_codes_once(method: str) -> None:
+    """After calls of every size in fp32, a weight's memory is its codes and scales (plus the kernel's per-block
+    scales), not a second copy of the codes (the bf16 layout once padded a copy) nor a dense copy."""
+    torch.manual_seed(3)
+    weight = torch.randn(N, 576) * 0.1
+    q = quant.store_bf16(weight) if method == "bf16" else quant.quantize(weight, method)
+    for rows in (1, 20, 40):
+        q(torch.randn(rows, 576))
+    storages: dict[int, int] = {}
+
+    def visit(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict | list | tuple):
+            for value in obj.values() if isinstance(obj, dict) else obj:
+                visit(value)
+        elif isinstance(obj, cpu_kernels.QgemmWeight):
+            visit(obj.tensors)
+
+    visit(vars(q))
+    per_block_scales = N * 576 // 32 * 4
+    assert sum(storages.values()) <= q.nbytes + per_block_scales

@@ -143,8 +143,9 @@ class QuantLinear:
         if self.kind in ("q8_0", "fp8") and self.group % block:
             return None
         padded = -(-self.in_features // block) * block
-        if self.kind == "bf16":
-            return F.pad(self.data, (0, padded - self.in_features)).contiguous(), None, None, "bf16"
+        if self.kind == "bf16":  # the weight itself where K needs no padding: a padded copy would hold it twice
+            data = self.data if padded == self.in_features else F.pad(self.data, (0, padded - self.in_features))
+            return data.contiguous(), None, None, "bf16"
         codes = self.data.view(torch.uint8)  # zero bytes beyond K: zero codes in every format
         if padded != self.in_features:
             codes = F.pad(codes, (0, padded - self.in_features))
