@@ -18,7 +18,26 @@ static double e4m3_value(uint8_t b) {
     return sign ? -v : v;
 }
 
-/* One case: returns the worst |out - ref| / (sum |w x| + 1e-6) over the outputs. */
+/* Weight n's element k as the float64 reference reads it. */
+static double ref_weight(int fmt, const uint8_t* w, const float* scale, const float* offset, int64_t row_bytes,
+                         int64_t nb, int64_t n, int64_t k) {
+    const uint8_t* row = w + n * row_bytes;
+    const int64_t b = k / QB, i = k % QB;
+    if (fmt == 0) {
+        const uint8_t byte = row[b * 16 + (i % 16)];
+        return (i < 16 ? byte & 0x0F : byte >> 4) * (double)scale[n * nb + b] + offset[n * nb + b];
+    }
+    if (fmt == 1) return (int8_t)row[k] * (double)scale[n * nb + b];
+    if (fmt == 3) {
+        uint16_t h;
+        memcpy(&h, row + 2 * k, 2);
+        return bf2f(h);
+    }
+    return e4m3_value(row[k]) * scale[n * nb + b];
+}
+
+/* One case: returns the worst |out - ref| / (sum |w x| + 1e-6) over the outputs, and over q_widen_f32's
+   widened weight its worst |wide - ref| over the size of its terms (fp32 rounding). */
 static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residual) {
     const int64_t nb = K / QB, row_bytes = q_row_bytes(fmt, K);
     uint8_t* w = malloc((size_t)(N * row_bytes));
@@ -48,25 +67,22 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
     a.format = fmt; a.N = N; a.res = with_residual ? res : NULL; a.rs = N; a.out = out; a.os = N; a.nthreads = 2;
     qgemm_f32(&a);
     double worst = 0.0;
+    float* wide = malloc(sizeof(float) * (size_t)(N * K));
+    q_widen_f32(&a, wide);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) {
+            const double ref = ref_weight(fmt, w, scale, offset, row_bytes, nb, n, k);
+            /* q4's code * scale + offset may round twice (no FMA in portable C): bound by the terms' size */
+            const double size = fabs(ref) + (fmt == 0 ? fabs(offset[n * nb + k / QB]) : 0.0) + 1e-6;
+            const double err = fabs(wide[n * K + k] - ref) / size;
+            if (err > worst) worst = err;
+        }
+    free(wide);
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
             double ref = with_residual ? res[m * N + n] : 0.0, mag = 1e-6;
             for (int64_t k = 0; k < K; k++) {
-                const uint8_t* row = w + n * row_bytes;
-                const int64_t b = k / QB, i = k % QB;
-                double wv;
-                if (fmt == 0) {
-                    const uint8_t byte = row[b * 16 + (i % 16)];
-                    wv = (i < 16 ? byte & 0x0F : byte >> 4) * (double)scale[n * nb + b] + offset[n * nb + b];
-                } else if (fmt == 1) {
-                    wv = (int8_t)row[k] * (double)scale[n * nb + b];
-                } else if (fmt == 3) {
-                    uint16_t h;
-                    memcpy(&h, row + 2 * k, 2);
-                    wv = bf2f(h);
-                } else {
-                    wv = e4m3_value(row[k]) * scale[n * nb + b];
-                }
+                const double wv = ref_weight(fmt, w, scale, offset, row_bytes, nb, n, k);
                 ref += wv * x[m * K + k];
                 mag += fabs(wv * x[m * K + k]);
             }
@@ -78,7 +94,7 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
 }
 
 int main(void) {
-    static const int64_t Ms[] = {1, 2, 3, 7, 8, 9, 17}, Ns[] = {1, 7, 40}, Ks[] = {32, 96, 576};
+    static const int64_t Ms[] = {1, 2, 3, 7, 8, 9, 12, 17, 40}, Ns[] = {1, 7, 40}, Ks[] = {32, 96, 576};
     int cases = 0;
     for (int fmt = 0; fmt < 4; fmt++)
         for (size_t i = 0; i < sizeof Ms / sizeof *Ms; i++)
