@@ -169,6 +169,7 @@ typedef struct nxd_qgemm_args {
 } nxd_qgemm_args;
 
 void qgemm_f32(const nxd_qgemm_args* a);
+int qgemm_paired_available(void); /* 1 where the build has the paired rows for many rows of x */
 /* dst (N, K) fp32 = the weight of a's format (w, scale, offset, K, N, format, nthreads read), widened. */
 void q_widen_f32(const nxd_qgemm_args* a, float* dst);
 

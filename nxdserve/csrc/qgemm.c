@@ -388,7 +388,8 @@ static inline void q_row_to_f32(int fmt, const uint8_t* w, const float* scale, c
    accumulators in registers. bf16 rows widen in the loop (a shift); the other formats' rows are widened once per
    call into a thread's fp32 buffer (q_row_to_f32, 2K floats: in L1/L2), so the loop reads fp32 and the
    per-block scales cost nothing there. Rows of W are paired (2i, 2i + 1) whatever the thread split, so results
-   do not depend on it; a last odd row takes q_weight_row. */
+   do not depend on it; a last odd row takes q_weight_row. x86 (AVX2, AVX512) and aarch64 (NEON); the portable C
+   build keeps the row kernel. */
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define Q_MR 12
@@ -410,6 +411,23 @@ static inline void q_row_to_f32(int fmt, const uint8_t* w, const float* scale, c
 #define BF16_LOADW bf16_load8
 #endif
 #define Q_PAIRS 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* The same structure in 4-float vectors: 24 accumulators, two weight vectors and x fit the 32 registers. Its speed
+   is unmeasured (no ARM machine here); the x86 measurements chose the structure. */
+#define Q_MR 12
+#define Q_VEC float32x4_t
+#define Q_STEP 4
+#define Q_ZERO() vdupq_n_f32(0.f)
+#define Q_FMA(a, b, acc) vfmaq_f32(acc, a, b)
+#define Q_LOADX vld1q_f32
+#define Q_HSUM vaddvq_f32
+static inline float32x4_t bf16_load4(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+#define BF16_LOADW bf16_load4
+#define Q_PAIRS 1
+#else
+#define Q_PAIRS 0
+#endif
+#if Q_PAIRS
 /* d0[m], d1[m] (m < MT) = weight rows w0, w1 (K values of type WT, loaded as fp32 vectors by LOADW) . x[m]. */
 #define DEFINE_PAIR_TILE(NAME, WT, LOADW)                                                                     \
 static inline __attribute__((always_inline)) void NAME(const WT* w0, const WT* w1, const float* x, int64_t xs, \
@@ -462,8 +480,6 @@ DEFINE_PAIR_TILE(bf16_pair_tile, uint16_t, BF16_LOADW)
 DEFINE_PAIR_TILE(f32_pair_tile, float, Q_LOADX)
 DEFINE_PAIR_ROWS(bf16_pair_rows, bf16_pair_tile, uint16_t)
 DEFINE_PAIR_ROWS(f32_pair_rows, f32_pair_tile, float)
-#else
-#define Q_PAIRS 0
 #endif
 /* Rows of x from which the paired path serves (below it the row kernel's latency-hiding order wins): bf16 from 3;
    the other formats, whose rows are widened once per call, from Q_PAIR_MIN (measured: perf_notes.md, "paired
@@ -474,6 +490,10 @@ DEFINE_PAIR_ROWS(f32_pair_rows, f32_pair_tile, float)
 #ifndef Q_PAIR_MIN
 #define Q_PAIR_MIN 12
 #endif
+
+/* Whether this build has the paired rows (every build but portable C): without them a call of many rows is faster
+   on a widened copy (quant.py asks). */
+int qgemm_paired_available(void) { return Q_PAIRS; }
 
 /* Bytes of one weight row of K elements in format fmt. */
 static inline int64_t q_row_bytes(int fmt, int64_t K) { return fmt == 0 ? K / 2 : fmt == 3 ? 2 * K : K; }

@@ -44,6 +44,10 @@ def _close(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, dense: torch.T
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=scale * 2e-6)
 
 
+def _arm() -> bool:
+    return cpu_kernels.machine() == "aarch64"
+
+
 def _q4_codes(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
@@ -110,15 +114,18 @@ def test_quant_linear_computes_its_dequantized_weight_on_every_path(path: str, m
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "int4-g128"])
-def test_fp32_calls_of_any_size_keep_no_dense_copy(method: str) -> None:
-    """fp32 activations: above ``dense_rows`` the kernel's paired rows up to KERNEL_ROWS, a transient widened copy
-    above it; the same products to fp32 rounding, and only the codes' kernel layout stays on the weight."""
+@pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
+def test_fp32_calls_of_any_size_keep_no_dense_copy(kernel_path: str, method: str) -> None:
+    """fp32 activations: above ``dense_rows`` the kernel's paired rows up to KERNEL_ROWS (a transient widened copy
+    on a build without them), a transient widened copy above it; the same products to fp32 rounding, and only
+    the codes' kernel layout stays on the weight."""
     torch.manual_seed(1)
     q = quant.quantize(torch.randn(N, 576) * 0.1, method)
     dense = q.dequantize()
     try:
-        for options in (CpuOptions(quant_dense_rows=0), CpuOptions(quant_dense_rows=4)):
-            cpu_setup.apply(options)
+        for rows_option in (0, 4):
+            cpu_setup.apply(CpuOptions(isa=kernel_path, quant_dense_rows=rows_option))
+            assert cpu_kernels.built("qgemm_paired_available") == (kernel_path != "generic" or _arm())
             for rows in (3, 12, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 150):
                 x = torch.randn(rows, 576)
                 _close(q(x), F.linear(x, dense), x, dense)
