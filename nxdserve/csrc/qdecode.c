@@ -83,6 +83,28 @@ static inline void qd_row(const qd_linear* l, int64_t n, const qd_input* in, int
         for (int64_t t = 0; t < T; t++) dot[t] += l->bias[n];
 }
 
+/* dot0[t], dot1[t] = weight rows n0, n1 . x[t] (+ bias): from a few rows (q_pairs_serve) on the paired rows, as
+   qgemm_f32 computes them, so the fused and layer paths agree; else two single rows. wide: 2K floats. */
+static inline void qd_rows2(const qd_linear* l, int64_t n0, int64_t n1, const qd_input* in, int64_t T, float* dot0,
+                            float* dot1, float* wide) {
+#if Q_PAIRS
+    if (!in->i8 && q_pairs_serve(l->fmt, T)) {
+        q_pair_dots(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n0, n1, in->x, in->xs, T, dot0, dot1,
+                    wide);
+        if (l->bias)
+            for (int64_t t = 0; t < T; t++) {
+                dot0[t] += l->bias[n0];
+                dot1[t] += l->bias[n1];
+            }
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    qd_row(l, n0, in, T, dot0);
+    qd_row(l, n1, in, T, dot1);
+}
+
 /* out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), as add_rmsnorm_f32 without the add; out may be x. */
 static inline void qd_rmsnorm(const float* x, const float* w, float eps, float* out, int64_t T, int64_t H) {
     for (int64_t t = 0; t < T; t++) {
@@ -128,7 +150,8 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
         float* xd = a->int8_activations ? (float*)malloc(sizeof(float) * (size_t)(2 * T * (kmax / QB))) : NULL;
         qd_input in = {NULL, 0, xsum, xq, xd, xd ? xd + T * (kmax / QB) : NULL, 0};
         float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxctx));
-        float* dot = (float*)malloc(sizeof(float) * (size_t)(2 * T));
+        float* dot = (float*)malloc(sizeof(float) * (size_t)(4 * T));
+        float* wide = (float*)malloc(sizeof(float) * (size_t)(2 * kmax)); /* qd_rows2's widened weight rows */
         for (int64_t l = 0; l < a->L; l++) {
             const void* const* p = a->lw + l * QD_PTRS;
             const int32_t* fmt = a->formats + 4 * l;
@@ -141,10 +164,13 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             /* 1. input norm, q/k/v */
             qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
             qd_prepare(&in, &wqkv, a->int8_activations, h, H, T);
-            _Pragma("omp for schedule(dynamic, c_qkv)")
-            for (int64_t n = 0; n < NQKV; n++) {
-                qd_row(&wqkv, n, &in, T, dot);
-                for (int64_t t = 0; t < T; t++) qkv[t * NQKV + n] = dot[t];
+            _Pragma("omp for schedule(dynamic, c_qkv / 2)")
+            for (int64_t n = 0; n < NQKV; n += 2) {
+                const int64_t rows = n + 1 < NQKV ? 2 : 1;
+                if (rows == 2) qd_rows2(&wqkv, n, n + 1, &in, T, dot, dot + T, wide);
+                else qd_row(&wqkv, n, &in, T, dot);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t t = 0; t < T; t++) qkv[t * NQKV + n + r] = dot[r * T + t];
             }
 
             /* 2. RoPE on q and k heads; K and V into the cache */
@@ -176,10 +202,13 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 4. o-proj and the residual */
             qd_prepare(&in, &wo, a->int8_activations, attn, QS, T);
-            _Pragma("omp for schedule(dynamic, c_h)")
-            for (int64_t n = 0; n < H; n++) {
-                qd_row(&wo, n, &in, T, dot);
-                for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
+            _Pragma("omp for schedule(dynamic, c_h / 2)")
+            for (int64_t n = 0; n < H; n += 2) {
+                const int64_t rows = n + 1 < H ? 2 : 1;
+                if (rows == 2) qd_rows2(&wo, n, n + 1, &in, T, dot, dot + T, wide);
+                else qd_row(&wo, n, &in, T, dot);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t t = 0; t < T; t++) x[t * H + n + r] += dot[r * T + t];
             }
 
             /* 5. post-attention norm, gate and up, SiLU(gate) * up */
@@ -187,8 +216,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             qd_prepare(&in, &wgu, a->int8_activations, h, H, T);
             _Pragma("omp for schedule(dynamic, c_i)")
             for (int64_t n = 0; n < I; n++) {
-                qd_row(&wgu, n, &in, T, dot);
-                qd_row(&wgu, I + n, &in, T, dot + T);
+                qd_rows2(&wgu, n, I + n, &in, T, dot, dot + T, wide);
                 for (int64_t t = 0; t < T; t++) {
                     const float g = dot[t];
                     act[t * I + n] = g / (1.f + expf(-g)) * dot[T + t];
@@ -197,10 +225,13 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 6. down-proj and the residual */
             qd_prepare(&in, &wdown, a->int8_activations, act, I, T);
-            _Pragma("omp for schedule(dynamic, c_h)")
-            for (int64_t n = 0; n < H; n++) {
-                qd_row(&wdown, n, &in, T, dot);
-                for (int64_t t = 0; t < T; t++) x[t * H + n] += dot[t];
+            _Pragma("omp for schedule(dynamic, c_h / 2)")
+            for (int64_t n = 0; n < H; n += 2) {
+                const int64_t rows = n + 1 < H ? 2 : 1;
+                if (rows == 2) qd_rows2(&wdown, n, n + 1, &in, T, dot, dot + T, wide);
+                else qd_row(&wdown, n, &in, T, dot);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t t = 0; t < T; t++) x[t * H + n + r] += dot[r * T + t];
             }
         }
         if (a->final_norm) {
@@ -213,6 +244,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
         free(xd);
         free(sc);
         free(dot);
+        free(wide);
     }
     free(qkv);
     free(attn);

@@ -491,6 +491,26 @@ DEFINE_PAIR_ROWS(f32_pair_rows, f32_pair_tile, float)
 #define Q_PAIR_MIN 12
 #endif
 
+#if Q_PAIRS
+/* d0, d1 (M each) = weight rows n0 and n1 . x on the paired rows; wide: 2K floats of the thread's scratch (the
+   formats widened once per call; bf16 widens in the loop and leaves it unused). Shared by qgemm_f32 and the fused
+   quantized forward (qdecode.c). */
+static inline void q_pair_dots(int fmt, const uint8_t* w, const float* scale, const float* offset, int64_t row_bytes,
+                               int64_t nb, int64_t n0, int64_t n1, const float* x, int64_t xs, int64_t M, float* d0,
+                               float* d1, float* wide) {
+    const int64_t K = nb * QB;
+    if (fmt == 3) {
+        bf16_pair_rows((const uint16_t*)(w + n0 * row_bytes), (const uint16_t*)(w + n1 * row_bytes), x, xs, K, M, d0,
+                       d1);
+    } else {
+        q_row_to_f32(fmt, w, scale, offset, row_bytes, nb, n0, wide);
+        q_row_to_f32(fmt, w, scale, offset, row_bytes, nb, n1, wide + K);
+        f32_pair_rows(wide, wide + K, x, xs, K, M, d0, d1);
+    }
+}
+#endif
+static inline int q_pairs_serve(int fmt, int64_t M) { return Q_PAIRS && M >= (fmt == 3 ? BF16_PAIR_MIN : Q_PAIR_MIN); }
+
 /* Whether this build has the paired rows (every build but portable C): without them a call of many rows is faster
    on a widened copy (quant.py asks). */
 int qgemm_paired_available(void) { return Q_PAIRS; }
@@ -513,7 +533,7 @@ void qgemm_f32(const nxd_qgemm_args* a) {
        half the rows (each row is computed whole by one thread, so the results do not depend on the split). */
     const int64_t chunk = q_rows_chunk(N, nt);
 #if Q_PAIRS
-    if (M >= (fmt == 3 ? BF16_PAIR_MIN : Q_PAIR_MIN)) {
+    if (q_pairs_serve(fmt, M)) {
         const int64_t pairs = (N + 1) / 2;
         _Pragma("omp parallel num_threads(nt)")
         {
@@ -522,16 +542,8 @@ void qgemm_f32(const nxd_qgemm_args* a) {
             _Pragma("omp for schedule(dynamic, chunk / 2)")
             for (int64_t p = 0; p < pairs; p++) {
                 const int64_t n = 2 * p, rows = n + 1 < N ? 2 : 1;
-                if (rows == 1) {
-                    q_weight_row(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, a->x, xs, xsum, M, dot);
-                } else if (fmt == 3) {
-                    const uint16_t* w0 = (const uint16_t*)(a->w + n * row_bytes);
-                    bf16_pair_rows(w0, w0 + K, a->x, xs, K, M, dot, dot + M);
-                } else {
-                    q_row_to_f32(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, wide);
-                    q_row_to_f32(fmt, a->w, a->scale, a->offset, row_bytes, nb, n + 1, wide + K);
-                    f32_pair_rows(wide, wide + K, a->x, xs, K, M, dot, dot + M);
-                }
+                if (rows == 1) q_weight_row(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, a->x, xs, xsum, M, dot);
+                else q_pair_dots(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, n + 1, a->x, xs, M, dot, dot + M, wide);
                 for (int64_t r = 0; r < rows; r++)
                     for (int64_t m = 0; m < M; m++) {
                         float v = dot[r * M + m];
