@@ -31,7 +31,7 @@ class CpuOptions:
     gemm: bool = True  # the packed-panel bf16 GEMM (AVX512-BF16 builds); off: oneDNN
     compressed_weights: bool = True  # AMX GEMMs read 12-bit lossless weight copies
     fused_decode: bool = True  # one C call for a bf16 forward's layers (AVX512-BF16 builds)
-    fused_quant_decode: bool = True  # one C call for a quantized fp32 forward's layers, up to quant_dense_rows rows
+    fused_quant_decode: bool = True  # one C call for a quantized fp32 forward's layers (fused_qdecode.max_rows)
     greedy_head: bool = True  # greedy tokens from an int8-screened LM head (AVX512-VNNI builds)
     packed_linear: bool = True  # oneDNN weights prepacked once (bf16)
     kv_huge_pages: bool = True  # the KV cache in transparent huge pages (Linux)

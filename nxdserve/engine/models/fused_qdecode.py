@@ -5,8 +5,8 @@ runs a small step's linears in ``csrc/qgemm.c``; layer by layer that is ~4 ctype
 per layer with Python's norms, RoPE, attention and SiLU in between. ``FusedQuantDecode`` runs all layers in one
 parallel region instead, the same arithmetic (fp32 activations and KV cache, codes widened in registers).
 
-``accepts`` decides per forward; everything else takes the layer path: more tokens than ``quant.dense_rows`` (the
-step the QuantLinears would run on their dense copies), a bf16 model or an fp8 KV cache, draft alternatives, a LoRA
+``accepts`` decides per forward; everything else takes the layer path: more tokens than ``max_rows()`` (a step the
+QuantLinears would run on a widened copy), a bf16 model or an fp8 KV cache, draft alternatives, a LoRA
 adapter row, q/k norms, activations other than SiLU, any linear that is not a kernel-format QuantLinear (mixed
 dense/quantized stacks, q8_0 groups that are not multiples of 32, padded K), autograd, no C kernels
 (``--cpu-isa none``). ``CpuOptions.fused_quant_decode`` turns it off (A/B measurements).
@@ -31,15 +31,18 @@ if TYPE_CHECKING:
     from nxdserve.engine.models.spec import ModelSpec
 
 enabled = True  # set from CpuOptions.fused_quant_decode (cpu_setup.apply)
-# The most rows with quant.dense_rows at 0 (QuantLinears on the kernel at every size): the forward keeps T rows'
-# scratch per thread and its GEMV tiles are sized for decode.
+# The most rows with quant.dense_rows at 0 (QuantLinears on the kernel at every size) on a build without the paired
+# rows: the forward keeps T rows' scratch per thread and its row tiles are sized for decode.
 MAX_ROWS_UNBOUNDED = 16
 _LINEARS = ("qkv", "o", "gate_up", "down")
 _WEIGHT_ATTRS = tuple(f"{name}_weight" for name in _LINEARS)
 
 
 def max_rows() -> int:
-    return quant.dense_rows or MAX_ROWS_UNBOUNDED
+    """The most tokens a fused step takes: as many as the QuantLinears run on their codes in fp32 (``dense_rows``,
+    and up to ``quant.KERNEL_ROWS`` where the build has the paired rows, which the forward uses from 12 rows)."""
+    rows = quant.dense_rows or MAX_ROWS_UNBOUNDED
+    return max(rows, quant.KERNEL_ROWS) if cpu_kernels.built("qgemm_paired_available") else rows
 
 
 class _LayerTable:
