@@ -105,6 +105,23 @@ static inline void qd_rows2(const qd_linear* l, int64_t n0, int64_t n1, const qd
     qd_row(l, n1, in, T, dot1);
 }
 
+/* out[t * os + n] (= or +=, by add) the linear's row n . x[t] for all N rows, two at a time (qd_rows2), shared
+   out to the team in chunks of `chunk` pairs: an orphaned worksharing loop, called inside the parallel region. */
+static inline void qd_linear_out(const qd_linear* l, int64_t N, const qd_input* in, int64_t T, float* dot,
+                                 float* wide, float* out, int64_t os, int add, int64_t chunk) {
+    _Pragma("omp for schedule(dynamic, chunk)")
+    for (int64_t n = 0; n < N; n += 2) {
+        const int64_t rows = n + 1 < N ? 2 : 1;
+        if (rows == 2) qd_rows2(l, n, n + 1, in, T, dot, dot + T, wide);
+        else qd_row(l, n, in, T, dot);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = 0; t < T; t++) {
+                float* o = out + t * os + n + r;
+                *o = add ? *o + dot[r * T + t] : dot[r * T + t];
+            }
+    }
+}
+
 /* out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), as add_rmsnorm_f32 without the add; out may be x. */
 static inline void qd_rmsnorm(const float* x, const float* w, float eps, float* out, int64_t T, int64_t H) {
     for (int64_t t = 0; t < T; t++) {
@@ -164,14 +181,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             /* 1. input norm, q/k/v */
             qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
             qd_prepare(&in, &wqkv, a->int8_activations, h, H, T);
-            _Pragma("omp for schedule(dynamic, c_qkv / 2)")
-            for (int64_t n = 0; n < NQKV; n += 2) {
-                const int64_t rows = n + 1 < NQKV ? 2 : 1;
-                if (rows == 2) qd_rows2(&wqkv, n, n + 1, &in, T, dot, dot + T, wide);
-                else qd_row(&wqkv, n, &in, T, dot);
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t t = 0; t < T; t++) qkv[t * NQKV + n + r] = dot[r * T + t];
-            }
+            qd_linear_out(&wqkv, NQKV, &in, T, dot, wide, qkv, NQKV, 0, c_qkv / 2);
 
             /* 2. RoPE on q and k heads; K and V into the cache */
             _Pragma("omp for schedule(dynamic, 1)")
@@ -202,14 +212,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 4. o-proj and the residual */
             qd_prepare(&in, &wo, a->int8_activations, attn, QS, T);
-            _Pragma("omp for schedule(dynamic, c_h / 2)")
-            for (int64_t n = 0; n < H; n += 2) {
-                const int64_t rows = n + 1 < H ? 2 : 1;
-                if (rows == 2) qd_rows2(&wo, n, n + 1, &in, T, dot, dot + T, wide);
-                else qd_row(&wo, n, &in, T, dot);
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t t = 0; t < T; t++) x[t * H + n + r] += dot[r * T + t];
-            }
+            qd_linear_out(&wo, H, &in, T, dot, wide, x, H, 1, c_h / 2);
 
             /* 5. post-attention norm, gate and up, SiLU(gate) * up */
             qd_rmsnorm(x, (const float*)p[QD_POST_NORM], a->eps, h, T, H);
@@ -225,14 +228,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 6. down-proj and the residual */
             qd_prepare(&in, &wdown, a->int8_activations, act, I, T);
-            _Pragma("omp for schedule(dynamic, c_h / 2)")
-            for (int64_t n = 0; n < H; n += 2) {
-                const int64_t rows = n + 1 < H ? 2 : 1;
-                if (rows == 2) qd_rows2(&wdown, n, n + 1, &in, T, dot, dot + T, wide);
-                else qd_row(&wdown, n, &in, T, dot);
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t t = 0; t < T; t++) x[t * H + n + r] += dot[r * T + t];
-            }
+            qd_linear_out(&wdown, H, &in, T, dot, wide, x, H, 1, c_h / 2);
         }
         if (a->final_norm) {
             _Pragma("omp for schedule(static)")

@@ -359,25 +359,21 @@ static inline void q_row_to_f32(int fmt, const uint8_t* w, const float* scale, c
         float* d = dst + b * QB;
 #if defined(__AVX2__) && defined(__FMA__)
         __m256 q[4];
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+        float32x4_t q[8];
+#else
+        float q[QB];
+#endif
         if (fmt == 0) q4_widen(p, q);
         else if (fmt == 1) q8_widen(p, q);
         else if (fmt == 2) fp8_widen(p, q);
         else bf16_widen(p, q);
+#if defined(__AVX2__) && defined(__FMA__)
         const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(d + 8 * j, _mm256_fmadd_ps(q[j], vs, vo));
 #elif defined(__aarch64__) && defined(__ARM_NEON)
-        float32x4_t q[8];
-        if (fmt == 0) q4_widen(p, q);
-        else if (fmt == 1) q8_widen(p, q);
-        else if (fmt == 2) fp8_widen(p, q);
-        else bf16_widen(p, q);
         for (int j = 0; j < 8; j++) vst1q_f32(d + 4 * j, vfmaq_n_f32(vdupq_n_f32(o), q[j], s));
 #else
-        float q[QB];
-        if (fmt == 0) q4_widen(p, q);
-        else if (fmt == 1) q8_widen(p, q);
-        else if (fmt == 2) fp8_widen(p, q);
-        else bf16_widen(p, q);
         for (int i = 0; i < QB; i++) d[i] = q[i] * s + o;
 #endif
     }
