@@ -104,15 +104,14 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` (+ ``residual``, rounded as the eager ``out + residual``) for x (M, K) in fp32 or bf16."""
-        kernel = self._kernel_args() if _kernels_take(x) else None
+        rows = x.shape[0]
+        small = not dense_rows or rows <= dense_rows
+        widened = x.dtype == torch.float32 or self.kind == "bf16"  # calls that never keep a dense copy
+        kernel = self._kernel_args() if (small or widened) and _kernels_take(x) else None
         if kernel is not None:
-            rows = x.shape[0]
-            widened = x.dtype == torch.float32 or self.kind == "bf16"  # calls that never keep a dense copy
-            paired = widened and rows <= KERNEL_ROWS and _paired_rows()
-            if not dense_rows or rows <= dense_rows or paired:
+            if small or (rows <= KERNEL_ROWS and _paired_rows()):
                 return self._kernel_call(x, kernel, residual)
-            if widened:
-                return self._widened_call(x, kernel, residual)
+            return self._widened_call(x, kernel, residual)
         out = self._torch_call(x)
         return out if residual is None else out + residual
 
