@@ -153,7 +153,8 @@ int64_t greedy_head_argmax(const nxd_greedy_head_args* a);
 /* ---- qgemm.c: quantized-weight GEMM for a few rows (every variant; AVX2+FMA code where the target has it) ---- */
 /* out (M, N) = x (M, K) @ W^T [+ res], fp32; K a multiple of 32. format 0 = q4: w (N, K/2) bytes, GGUF's nibble
    order per 32-block, scale and offset (N, K/32); 1 = q8: w (N, K) int8, scale (N, K/32), offset NULL; 2 = fp8
-   e4m3fn: w (N, K) codes, scale (N, K/32), offset NULL. res NULL when absent. Strides in elements. */
+   e4m3fn: w (N, K) codes, scale (N, K/32), offset NULL; 3 = bf16: w (N, K) bf16 values, scale and offset NULL.
+   res NULL when absent. Strides in elements. */
 typedef struct nxd_qgemm_args {
     const float* x;
     int64_t M, K, xs;

@@ -167,7 +167,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
         float* xd = a->int8_activations ? (float*)malloc(sizeof(float) * (size_t)(2 * T * (kmax / QB))) : NULL;
         qd_input in = {NULL, 0, xsum, xq, xd, xd ? xd + T * (kmax / QB) : NULL, 0};
         float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxctx));
-        float* dot = (float*)malloc(sizeof(float) * (size_t)(4 * T));
+        float* dot = (float*)malloc(sizeof(float) * (size_t)(2 * T));
         float* wide = (float*)malloc(sizeof(float) * (size_t)(2 * kmax)); /* qd_rows2's widened weight rows */
         for (int64_t l = 0; l < a->L; l++) {
             const void* const* p = a->lw + l * QD_PTRS;
