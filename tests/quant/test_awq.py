@@ -66,13 +66,14 @@ def test_scaled_codes_have_no_more_calibration_error_than_the_weighted_search(gr
     activation-weighted search alone), and the model's logits on the calibration text are no further from the
     dense model's."""
     dense, path = _tiny()
-    hessians = gptq.calibration_hessians(dense, path)
+    inputs = gptq.calibration_inputs(dense, path)
     layer = dense.layers[0]
     for attr in dense.QUANTIZABLE:
-        h, tokens = hessians[f"layers.0.{attr}"]
+        c = inputs[f"layers.0.{attr}"]
+        h = c.hessian()
         weight = getattr(layer, attr).detach()
-        s, q, err = awq.scale_search(weight, h, tokens, group)
-        plain = imatrix.weighted_int4(weight, group, h.diagonal() / tokens)
+        s, q, err = awq.scale_search(weight, c, group)
+        plain = imatrix.weighted_int4(weight, group, c.mean_square)
         d = plain.dequantize() - weight
         assert err <= float(((d @ h) * d).sum()) * (1 + 1e-5)
         d = q.dequantize() / s - weight

@@ -7,7 +7,7 @@ an input, s_c = ms_c^(alpha / 2), ms_c the mean square of input channel c over t
 diagonal ``imatrix.py`` weights its search with; AWQ uses mean |x_c|, the same ordering of channels), with
 alpha in ``ALPHAS`` chosen per layer and linear to minimise the linear's output error on the calibration inputs
 after quantization, tr(D H D^T) with D the quantized weight's error in the original input space and
-H = X^T X the inputs' Gram matrix (``gptq.calibration_hessians``). Alpha 0 (s = 1) is the activation-weighted
+H = X^T X the inputs' Gram matrix (``gptq.CalibrationInputs.output_error``). Alpha 0 (s = 1) is the activation-weighted
 search alone, so the choice never has more calibration output error than it. The 1/s is folded exactly into
 what produces the input:
 
@@ -45,19 +45,17 @@ _LINEARS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 def scale_search(
     weight: torch.Tensor,
-    hessian: torch.Tensor,
-    tokens: int,
+    inputs: gptq.CalibrationInputs,
     group: int,
     shared: torch.Tensor | None = None,
     alphas: tuple[float, ...] = ALPHAS,
 ) -> tuple[torch.Tensor, quant.QuantLinear, float]:
     """The per-input-channel scale s (K,), one per exponent in ``alphas``, whose 4-bit codes of ``weight * s``
-    (activation-weighted search) give ``weight`` (N, K) the least output error on the inputs whose Gram matrix is
-    ``hessian`` (K, K); with that QuantLinear (of the scaled weight) and its error. ``shared`` (K,) int64: the
+    (activation-weighted search) give ``weight`` (N, K) the least output error on the calibration ``inputs``; with
+    that QuantLinear (of the scaled weight) and its error. ``shared`` (K,) int64: the
     columns with one value there get one s (o's columns reading one v channel), from their mean mean square."""
     w = weight.detach().float()
-    h = hessian.float()
-    mean_square = (h.diagonal() / tokens).clamp_min(0)
+    mean_square = inputs.mean_square.float().clamp_min(0)
     importance = mean_square.clamp_min(imatrix.FLOOR * float(mean_square.mean()))
     if shared is not None:
         pooled = torch.zeros(int(shared.max()) + 1).index_add_(0, shared, importance)
@@ -71,7 +69,7 @@ def scale_search(
         s = s / (s.max() * s.min()).sqrt()  # centred on 1: the folded norm weights keep their magnitude
         q = quant.quantize_int4(w * s, group, importance=importance / s.square(), deltas=quant.IMATRIX_STEP_DELTAS)
         d = q.dequantize() / s - w
-        return s, q, float(((d @ h) * d).sum())
+        return s, q, inputs.output_error(d)
 
     # Alpha 0 is the activation-weighted search alone (unrefined): the choice never has more error than it.
     # Refining the chosen grids by least squares measured +13.9% against +13.3% at group 128: not done.
@@ -141,24 +139,23 @@ def fold_scales(
 
 def scale_and_quantize_layer(
     layer: Any,
-    hessians: dict[str, tuple[torch.Tensor, int]],
+    inputs: dict[str, gptq.CalibrationInputs],
     prefix: str,
     group: int,
     alphas: tuple[float, ...] = ALPHAS,
 ) -> dict[str, quant.QuantLinear]:
     """Search and fold the scales of one decoder layer (o and down first: their producers' rows change q/k/v's
-    and gate/up's weights, which a per-row grid follows exactly) and return its linears' 4-bit codes by name."""
+    and gate/up's weights, which a per-row grid follows exactly) and return its linears' 4-bit codes by name. Its
+    linears' statistics are taken out of ``inputs`` (freed layer by layer)."""
     out: dict[str, quant.QuantLinear] = {}
     columns = v_channels(layer.spec)
-    h, t = hessians[f"{prefix}o_weight"]
-    s_o, out["o_weight"], _ = scale_search(layer.o_weight, h, t, group, columns, alphas)
+    s_o, out["o_weight"], _ = scale_search(layer.o_weight, inputs.pop(f"{prefix}o_weight"), group, columns, alphas)
     fold_scales(layer, v=torch.zeros(layer.spec.kv_size).index_copy_(0, columns, s_o))
-    h, t = hessians[f"{prefix}down_weight"]
-    s_d, out["down_weight"], _ = scale_search(layer.down_weight, h, t, group, alphas=alphas)
+    down = inputs.pop(f"{prefix}down_weight")
+    s_d, out["down_weight"], _ = scale_search(layer.down_weight, down, group, alphas=alphas)
     fold_scales(layer, down=s_d)
     for attr in ("qkv_weight", "gate_up_weight"):
-        h, t = hessians[f"{prefix}{attr}"]
-        s, out[attr], _ = scale_search(getattr(layer, attr), h, t, group, alphas=alphas)
+        s, out[attr], _ = scale_search(getattr(layer, attr), inputs.pop(f"{prefix}{attr}"), group, alphas=alphas)
         fold_scales(layer, **{attr.removesuffix("_weight"): s})
     return out
 
@@ -168,12 +165,12 @@ def quantize_model_awq(model: Any, group: int, tokenizer_path: Path | str | None
     activation-aware scales (folded into the norms and producers as the module doc says) and the
     activation-weighted search; layers that cannot fold get the search alone (imatrix). The LM head: as
     ``quant.lm_head_format`` (Q8_0 blocks on an fp32 model, else dense)."""
-    hessians = gptq.calibration_hessians(model, tokenizer_path)
+    inputs = gptq.calibration_inputs(model, tokenizer_path)
     codes: dict[str, quant.QuantLinear] = {}
     scaled = 0
     for i, layer in enumerate(model.layers):
         if _scalable(layer):
-            layer_codes = scale_and_quantize_layer(layer, hessians, f"layers.{i}.", group)
+            layer_codes = scale_and_quantize_layer(layer, inputs, f"layers.{i}.", group)
             codes.update({f"layers.{i}.{attr}": q for attr, q in layer_codes.items()})
             scaled += 1
 
@@ -182,8 +179,7 @@ def quantize_model_awq(model: Any, group: int, tokenizer_path: Path | str | None
             return quant.lm_head_format(weight, f"int4-g{group}")
         if name in codes:
             return codes[name]
-        h, tokens = hessians[name]
-        return imatrix.weighted_int4(weight, group, h.diagonal() / tokens)
+        return imatrix.weighted_int4(weight, group, inputs.pop(name).mean_square)
 
     model.quantize_linears(make)
     logger.info("awq: 4-bit groups of %d, %d of %d layers activation-scaled", group, scaled, len(model.layers))

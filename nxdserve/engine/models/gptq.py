@@ -8,7 +8,7 @@ by the matching diagonal of H^-1's Cholesky factor, is spread over the columns n
 ``BLOCK`` columns, the later blocks updated by one GEMM per block), so those columns absorb what the rounding lost
 as the calibration inputs see it. A group's scale and offset are searched (``quant.int4_group_scales``) on the
 updated weights when its first column comes up. The Hessians come from one forward of the dense model over the
-calibration text (``calibration_hessians``, shared with ``imatrix.py``; sequential calibration, each layer fed by
+calibration text (``calibration_inputs``, shared with ``imatrix.py``; sequential calibration, each layer fed by
 the already-quantized ones as llm-compressor's ``GPTQModifier`` runs it, measured no better here). Codes, scales
 and offsets land in the same ``QuantLinear`` format as the plain search's: serving is unchanged.
 
@@ -23,7 +23,7 @@ the figures.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,47 +119,85 @@ def _column_loop(w: torch.Tensor, upper: torch.Tensor, group: int) -> tuple[torc
 
 @dataclass(eq=False)
 class _Calibrating(QuantLinear):
-    """Stands where a linear's weight is during the calibration forward: computes with the dense weight and adds
-    its inputs' X^T X to the Hessian."""
+    """Stands where a linear's weight is during the calibration forward: computes with the dense weight and records
+    its inputs' per-channel sums and, with ``keep_inputs``, X^T X in ``CalibrationInputs``' smaller form."""
 
     dense: torch.Tensor | None = None
-    hessian: torch.Tensor | None = None
+    keep_inputs: bool = True
+    rows: list[torch.Tensor] = field(default_factory=list)  # X's chunks while no more rows than K
+    gram: torch.Tensor | None = None  # X^T X once the rows outnumber K
     input_sum: torch.Tensor | None = None
+    square_sum: torch.Tensor | None = None
     tokens: int = 0
     fusable = False  # the forward must call it (a bf16 model's fused forward would read a dense copy instead)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         assert self.dense is not None
         xf = x.reshape(-1, x.shape[-1]).float()
-        gram = xf.t() @ xf
-        self.hessian = gram if self.hessian is None else self.hessian + gram
-        total = xf.sum(0)
+        total, squares = xf.sum(0), xf.square().sum(0)
         self.input_sum = total if self.input_sum is None else self.input_sum + total
+        self.square_sum = squares if self.square_sum is None else self.square_sum + squares
         self.tokens += xf.shape[0]
+        if self.keep_inputs:
+            self._keep(xf)
         out = xf @ self.dense.t()
         out = out.to(x.dtype)
         return out if residual is None else out + residual
 
+    def _keep(self, xf: torch.Tensor) -> None:
+        if self.gram is None and self.tokens <= self.in_features:
+            self.rows.append(xf.clone())  # the forward reuses its buffers
+            return
+        if self.gram is None:
+            kept = torch.cat(self.rows) if self.rows else xf.new_zeros(0, xf.shape[1])
+            self.gram, self.rows = kept.t() @ kept, []
+        self.gram += xf.t() @ xf
+
+    def inputs(self) -> CalibrationInputs:
+        if self.input_sum is None or self.square_sum is None:
+            raise RuntimeError("calibration: a stand-in was not called by the forward")
+        rows = torch.cat(self.rows) if self.keep_inputs and self.gram is None else None
+        return CalibrationInputs(
+            self.input_sum / self.tokens, self.square_sum / self.tokens, self.tokens, gram=self.gram, rows=rows
+        )
+
 
 @dataclass(frozen=True)
 class CalibrationInputs:
-    """One decoder linear's inputs X (tokens, K) over the calibration text."""
+    """One decoder linear's inputs X (tokens, K) over the calibration text: the mean and mean square of each input
+    channel and, where asked for, X^T X in the smaller of two forms: ``rows``, X itself, where there are fewer
+    tokens than inputs, else ``gram``, X^T X. So a wide linear's statistics hold min(tokens, K) x K floats, not
+    K x K: for a model with 14336-wide MLPs (Llama 3 8B) that is ~0.1 GB a layer against ~1 GB."""
 
-    gram: torch.Tensor  # X^T X (K, K)
-    mean: torch.Tensor  # the mean input (K,)
+    mean: torch.Tensor  # (K,)
+    mean_square: torch.Tensor  # (K,)
     tokens: int
+    gram: torch.Tensor | None = None  # X^T X (K, K), tokens >= K
+    rows: torch.Tensor | None = None  # X (tokens, K), tokens < K
+
+    def hessian(self) -> torch.Tensor:
+        """X^T X (K, K), built on demand from ``rows`` where they are kept."""
+        if self.gram is not None:
+            return self.gram
+        if self.rows is None:
+            raise ValueError("these calibration statistics kept no inputs (calibration_inputs(keep_inputs=False))")
+        return self.rows.t() @ self.rows
+
+    def output_error(self, delta: torch.Tensor) -> float:
+        """tr(D X^T X D^T): the summed squared output error over the calibration inputs of a weight off by
+        ``delta`` (N, K)."""
+        d = delta.float()
+        if self.rows is not None:
+            return float((d @ self.rows.t()).square().sum())
+        return float(((d @ self.hessian()) * d).sum())
 
 
-def calibration_hessians(model: Any, tokenizer_path: Path | str | None) -> dict[str, tuple[torch.Tensor, int]]:
-    """Per decoder linear (``layers.{i}.{attr}``), X^T X of its inputs over ``CALIBRATION`` and the tokens counted
-    (``calibration_inputs``)."""
-    return {name: (c.gram, c.tokens) for name, c in calibration_inputs(model, tokenizer_path).items()}
-
-
-def calibration_inputs(model: Any, tokenizer_path: Path | str | None) -> dict[str, CalibrationInputs]:
-    """Per decoder linear (``layers.{i}.{attr}``), its inputs' Gram matrix and mean over ``CALIBRATION``
-    (tokenized with ``tokenizer_path``'s tokenizer), from one forward of the dense model; the model's weights are
-    left as they were."""
+def calibration_inputs(
+    model: Any, tokenizer_path: Path | str | None, keep_inputs: bool = True
+) -> dict[str, CalibrationInputs]:
+    """Per decoder linear (``layers.{i}.{attr}``), its inputs' statistics over ``CALIBRATION`` (tokenized with
+    ``tokenizer_path``'s tokenizer), from one forward of the dense model: per-channel mean and mean square, and
+    with ``keep_inputs`` what X^T X needs (``CalibrationInputs``). The model's weights are left as they were."""
     from nxdserve.engine.models.runner import SlotModelRunner
 
     if tokenizer_path is None:
@@ -176,7 +214,9 @@ def calibration_inputs(model: Any, tokenizer_path: Path | str | None) -> dict[st
             return None
         n, k = weight.shape
         originals[name] = weight
-        standins[name] = _Calibrating("int4", n, k, torch.empty(0), torch.empty(0), dense=weight.detach().float())
+        standins[name] = _Calibrating(
+            "int4", n, k, torch.empty(0), torch.empty(0), dense=weight.detach().float(), keep_inputs=keep_inputs
+        )
         return standins[name]
 
     model.quantize_linears(stand_in)
@@ -191,19 +231,14 @@ def calibration_inputs(model: Any, tokenizer_path: Path | str | None) -> dict[st
         for i, layer in enumerate(model.layers):
             for attr in model.QUANTIZABLE:
                 setattr(layer, attr, originals[f"layers.{i}.{attr}"])
-    out = {}
-    for name, standin in standins.items():
-        if standin.hessian is None or standin.input_sum is None:
-            raise RuntimeError(f"calibration: {name} was not called by the forward")
-        out[name] = CalibrationInputs(standin.hessian, standin.input_sum / standin.tokens, standin.tokens)
-    return out
+    return {name: standin.inputs() for name, standin in standins.items()}
 
 
 def quantize_model_gptq(model: Any, group: int, tokenizer_path: Path | str | None) -> None:
     """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group`` with GPTQ, the
     Hessians from one forward of the dense model over the calibration text; the LM head stays dense."""
-    hessians = calibration_hessians(model, tokenizer_path)
+    inputs = calibration_inputs(model, tokenizer_path)
     model.quantize_linears(
-        lambda name, weight: None if name == "lm_head" else gptq_int4(weight, hessians[name][0], group)
+        lambda name, weight: None if name == "lm_head" else gptq_int4(weight, inputs.pop(name).hessian(), group)
     )
     logger.info("GPTQ: the decoder's linears at group %d", group)

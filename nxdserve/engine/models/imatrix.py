@@ -40,7 +40,8 @@ _BIASES = {"qkv_weight": "qkv_bias", "o_weight": "o_bias", "gate_up_weight": "ga
 def activation_importance(model: Any, tokenizer_path: Path | str | None) -> dict[str, torch.Tensor]:
     """Per decoder linear (``layers.{i}.{attr}``), the mean square of each input channel over the calibration
     text, from one forward of the dense model (its weights untouched)."""
-    return {name: c.gram.diagonal() / c.tokens for name, c in gptq.calibration_inputs(model, tokenizer_path).items()}
+    inputs = gptq.calibration_inputs(model, tokenizer_path, keep_inputs=False)
+    return {name: c.mean_square for name, c in inputs.items()}
 
 
 def correct_bias(layer: Any, attr: str, shift: torch.Tensor) -> None:
@@ -71,14 +72,14 @@ def quantize_model_imatrix(model: Any, group: int, tokenizer_path: Path | str | 
     """Quantize a loaded ``LlamaFamilyModel``'s decoder linears to 4-bit groups of ``group`` with the
     activation-weighted search (candidates ``quant.IMATRIX_STEP_DELTAS``), bias-corrected at the groups in
     ``BIAS_CORRECTED_GROUPS``; the LM head as ``quant.lm_head_format``."""
-    inputs = gptq.calibration_inputs(model, tokenizer_path)
+    inputs = gptq.calibration_inputs(model, tokenizer_path, keep_inputs=False)  # the search needs no X^T X
     shifts: dict[str, torch.Tensor] = {}
 
     def make(name: str, weight: torch.Tensor) -> quant.QuantLinear | None:
         if name == "lm_head":
             return quant.lm_head_format(weight, f"int4-g{group}")
         c = inputs[name]
-        q = weighted_int4(weight, group, c.gram.diagonal() / c.tokens)
+        q = weighted_int4(weight, group, c.mean_square)
         if group in BIAS_CORRECTED_GROUPS:
             shifts[name] = (weight.detach().float() - q.dequantize()) @ c.mean
         return q
