@@ -40,6 +40,7 @@ from nxdserve.model_files import eos_token_ids
 
 if TYPE_CHECKING:
     from nxdserve.engine.models.mllama import MllamaModel, SlotCrossStates
+    from nxdserve.engine.models.quant import LinearMaker
     from nxdserve.engine.models.qwen2_vl import Qwen2VLModel, SlotImages
 
 logger = logging.getLogger(__name__)
@@ -100,10 +101,18 @@ class TorchBackend(Backend):
         self.vlm = _vision_language_model(model_path, self.dtype, self.device, config.max_model_len)
         if config.enable_lora and type(self.vlm).__name__ == "MllamaModel":  # adapters know no cross layers
             raise ConfigError("--enable-lora is not supported with Mllama (cross-attention) models yet.")
+        self.weight_format = default_weight_format(
+            config, _gguf_file(config), self.device, self.dtype, self.kernel_path, self.vlm is not None
+        )
+        # Quantized (or bf16) as it loads where the format needs nothing but each weight: the dense model is
+        # never whole in memory (LlamaFamilyModel.load_weights).
+        bf16_at_load = self.weight_format.quantization is None and self._bf16_weights_apply(config)
+        quantize_linear = None if self.vlm is not None else self._load_time_quantizer(config, model_path, bf16_at_load)
         if self.vlm is None:
             self.runner = SlotModelRunner.from_pretrained(
                 model_path, config.max_num_seqs, config.max_model_len, self.dtype, self.device,
                 kv_cache_dtype=config.kv_cache_dtype, calculate_kv_scales=config.calculate_kv_scales,
+                quantize_linear=quantize_linear,
             )  # fmt: skip
         else:
             self.runner = SlotModelRunner(
@@ -112,11 +121,8 @@ class TorchBackend(Backend):
             )  # fmt: skip
         self.image_encode_s = 0.0  # seconds spent in the vision encoder (benchmarks read it)
         self.model = self.runner.model
-        self.weight_format = default_weight_format(
-            config, _gguf_file(config), self.device, self.dtype, self.kernel_path, self.vlm is not None
-        )
-        config.quantization = self._quantize(config, model_path, self.weight_format)
-        bf16_weights = self._bf16_weights_apply(config)
+        config.quantization = self._quantize(config, model_path, self.weight_format, quantize_linear)
+        bf16_weights = self._bf16_weights_apply(config)  # also where a default quantization fell back to dense
         if bf16_weights:
             from nxdserve.engine.models.quant import store_bf16
 
@@ -165,9 +171,31 @@ class TorchBackend(Backend):
         )
         self._warm_up()
 
-    def _quantize(self, config: EngineConfig, model_path: Path, chosen: WeightFormat) -> str | None:
-        """Put ``chosen``'s quantized linears in place of the loaded dense ones; returns the format served. A
-        default choice whose file turns out to hold linears in a type not served quantized stays dense."""
+    def _load_time_quantizer(self, config: EngineConfig, model_path: Path, bf16_weights: bool) -> LinearMaker | None:
+        """What quantizes each decoder linear as the checkpoint loads: ``store_bf16`` for bf16 weights, the chosen
+        method's ``linear_quantizer`` where it needs no calibration; None otherwise, and where the method cannot
+        apply (``_quantize`` then meets the same error after the load, and reports it or falls back to dense)."""
+        from nxdserve.engine.models import quant
+        from nxdserve.engine.models.spec import ModelSpec
+        from nxdserve.model_files import load_hf_config
+
+        if bf16_weights:
+            return lambda _name, weight: quant.store_bf16(weight)
+        method = self.weight_format.quantization
+        if method is None:
+            return None
+        spec = ModelSpec.from_hf_config(load_hf_config(model_path))
+        try:
+            return quant.linear_quantizer(method, spec, spec.num_layers, _gguf_file(config), model_path)
+        except ConfigError:
+            return None
+
+    def _quantize(
+        self, config: EngineConfig, model_path: Path, chosen: WeightFormat, make: LinearMaker | None = None
+    ) -> str | None:
+        """Put ``chosen``'s quantized linears in place of the loaded dense ones (those ``make`` did not quantize
+        at load, the LM head among them); returns the format served. A default choice whose file turns out to hold
+        linears in a type not served quantized stays dense."""
         if chosen.quantization is None:
             if config.dtype == "auto" and _gguf_file(config) is not None:
                 logger.info("weights: dense %s (%s)", str(self.dtype).removeprefix("torch."), chosen.reason)
@@ -176,8 +204,9 @@ class TorchBackend(Backend):
 
         try:
             quantize_model(
-                self.model, chosen.quantization, _gguf_file(config), checkpoint=model_path, lora=config.enable_lora
-            )
+                self.model, chosen.quantization, _gguf_file(config), checkpoint=model_path,
+                lora=config.enable_lora, make=make,
+            )  # fmt: skip
         except ConfigError as exc:
             if not chosen.by_default:
                 raise

@@ -29,7 +29,7 @@ from nxdserve.engine.models.fused_decode import FusedDecode
 from nxdserve.engine.models.fused_qdecode import FusedQuantDecode
 from nxdserve.engine.models.greedy_head import GreedyHead
 from nxdserve.engine.models.linear import linear
-from nxdserve.engine.models.quant import QuantLinear
+from nxdserve.engine.models.quant import LinearMaker, QuantLinear
 from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.errors import ConfigError
@@ -233,13 +233,20 @@ class LlamaFamilyModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype, device: torch.device, max_len: int | None = None
+        cls,
+        path: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_len: int | None = None,
+        quantize_linear: LinearMaker | None = None,
     ) -> LlamaFamilyModel:
+        """``quantize_linear``: applied to each decoder linear as soon as the checkpoint has filled it (see
+        ``load_weights``)."""
         from nxdserve.model_files import load_hf_config
 
         hf_config = load_hf_config(path)
         model = cls(ModelSpec.from_hf_config(hf_config), hf_config, dtype, device, max_len)
-        model.load_weights(checkpoint_tensors(Path(path)))
+        model.load_weights(checkpoint_tensors(Path(path)), quantize_linear)
         return model.eval()
 
     @property
@@ -320,26 +327,37 @@ class LlamaFamilyModel(nn.Module):
     QUANTIZABLE = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     @torch.no_grad()
-    def quantize_linears(self, make: Callable[[str, torch.Tensor], QuantLinear | None]) -> None:
-        """Replace each layer's linear weights, and the LM head's (the embedding stays dense for the lookup),
+    def quantize_linears(self, make: LinearMaker) -> None:
+        """Replace each layer's dense linear weights, and the LM head's (the embedding stays dense for the lookup),
         with ``make(name, dense_weight)``; None keeps that weight dense. ``name``: ``layers.{i}.{attr}`` or
-        ``lm_head``. The dense tensors are freed (the embedding too, where untied)."""
+        ``lm_head``. The dense tensors are freed (the embedding too, where untied); linears already quantized
+        (at load, ``load_weights``) are left as they are."""
         for i, layer in enumerate(self.layers):
             for attr in self.QUANTIZABLE:
-                quantized = make(f"layers.{i}.{attr}", getattr(layer, attr))
-                if quantized is not None:
-                    del layer._parameters[attr]
-                    setattr(layer, attr, quantized)
+                _replace_linear(layer, attr, f"layers.{i}.{attr}", make)
         self.lm_head_quant = make("lm_head", self.lm_head_weight)
 
     # -- weight loading ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up. Missing weights raise ConfigError."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], quantize_linear: LinearMaker | None = None
+    ) -> None:
+        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up. Missing weights raise ConfigError.
+
+        ``quantize_linear``: each decoder linear goes through it (as ``quantize_linears``' ``make``) as soon as
+        the checkpoint has filled it, and its dense tensor is freed then. The dense linears are allocated
+        untouched (``torch.empty``: no memory is resident until written), so a model quantized this way never
+        holds more than one dense linear at a time, not the whole dense model."""
         s = self.spec
         pending: dict[str, torch.Tensor] = {}  # parts of fused tensors, until all parts are seen
         loaded: set[str] = set()
+        linears = {
+            id(getattr(layer, attr)): (layer, attr, f"layers.{i}.{attr}")
+            for i, layer in enumerate(self.layers)
+            for attr in self.QUANTIZABLE
+            if quantize_linear is not None
+        }
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -351,12 +369,16 @@ class LlamaFamilyModel(nn.Module):
             if isinstance(target, tuple):  # a part of a fused tensor
                 pending[name] = tensor
                 fused_name, parts, param = target
-                if all(p in pending for p in parts):
-                    self._copy(param, torch.cat([pending.pop(p) for p in parts], dim=0), fused_name)
-                    loaded.add(fused_name)
+                if not all(p in pending for p in parts):
+                    continue
+                self._copy(param, torch.cat([pending.pop(p) for p in parts], dim=0), fused_name)
+                loaded.add(fused_name)
             else:
-                self._copy(target, tensor, name)
+                param = target
+                self._copy(param, tensor, name)
                 loaded.add(name)
+            if quantize_linear is not None and (linear := linears.pop(id(param), None)) is not None:
+                _replace_linear(*linear, quantize_linear)
         missing = [n for n in self._expected_names() if n not in loaded]
         if s.tie_word_embeddings:
             missing = [n for n in missing if n != "lm_head.weight"]
@@ -427,6 +449,17 @@ class LlamaFamilyModel(nn.Module):
                 yield from (p + "mlp.gate_up.bias", p + "mlp.down_proj.bias")
             if s.qk_norm:
                 yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+
+
+def _replace_linear(layer: nn.Module, attr: str, name: str, make: LinearMaker) -> None:
+    """``layer``'s dense linear ``attr`` replaced by ``make(name, weight)`` (None: kept), unless already quantized."""
+    weight = getattr(layer, attr)
+    if not isinstance(weight, torch.Tensor):
+        return
+    quantized = make(name, weight)
+    if quantized is not None:
+        del layer._parameters[attr]
+        setattr(layer, attr, quantized)
 
 
 def checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

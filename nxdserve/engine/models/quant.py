@@ -251,6 +251,11 @@ class QuantLinear:
         return blocks.view(n, self.padded_in)[:, : self.in_features].contiguous().to(dtype)
 
 
+# Makes the quantized weight of a linear (``layers.{i}.{attr}`` or ``lm_head``) from its dense weight; None keeps
+# it dense (``LlamaFamilyModel.quantize_linears``).
+LinearMaker = Callable[[str, torch.Tensor], "QuantLinear | None"]
+
+
 def _kernels_on() -> bool:
     from nxdserve.engine.models import cpu_kernels
 
@@ -503,51 +508,70 @@ def quantize(weight: torch.Tensor, method: str) -> QuantLinear:
 
 
 def quantize_model(
-    model: Any, method: str, gguf_path: Path | None = None, checkpoint: Path | None = None, lora: bool = False
+    model: Any,
+    method: str,
+    gguf_path: Path | None = None,
+    checkpoint: Path | None = None,
+    lora: bool = False,
+    make: LinearMaker | None = None,
 ) -> None:
     """Apply ``--quantization method`` to a loaded ``LlamaFamilyModel``: quantize its dense linears (a name in
     ``METHODS``; 4-bit groups over 32 calibrated on a text tokenized with ``checkpoint``'s tokenizer: ``awq.py``'s
     activation-aware scales, folded into the norms, unless ``lora``: adapters read the linears' original inputs),
     or put a file's own codes in their place: ``gguf`` (the .gguf file's blocks) or ``compressed-tensors`` (the
-    ``checkpoint`` folder's, ``compressed_tensors.py``)."""
+    ``checkpoint`` folder's, ``compressed_tensors.py``). ``make``: ``linear_quantizer``'s for this method where the
+    caller has it (the linears it already quantized at load are skipped)."""
+    if make is None:
+        make = linear_quantizer(method, model.spec, len(model.layers), gguf_path, checkpoint)
+    if make is not None:
+        model.quantize_linears(make)
+        return
+    from nxdserve.engine.models.awq import SCALED_GROUPS, quantize_model_awq
+    from nxdserve.engine.models.imatrix import quantize_model_imatrix
+
+    # The calibrated 4-bit groups: the LM head as lm_head_format.
+    group = METHODS[method][1]
+    if group in SCALED_GROUPS and not lora:
+        quantize_model_awq(model, group, checkpoint)
+    else:
+        quantize_model_imatrix(model, group, checkpoint)
+
+
+def linear_quantizer(
+    method: str, spec: Any, num_layers: int, gguf_path: Path | None = None, checkpoint: Path | None = None
+) -> LinearMaker | None:
+    """``method``'s quantized weight for each linear from its dense weight alone, or None for the methods that
+    calibrate on the dense model first (4-bit groups over 32). A ``LinearMaker`` can quantize each linear as the
+    checkpoint loads (``LlamaFamilyModel.from_pretrained``), so the dense model is never whole in memory.
+    ``spec``: the model's ``ModelSpec`` (a .gguf file's q/k rows are permuted by head). Raises ConfigError for a
+    method that cannot apply (an unknown name, a file without the blocks)."""
     if method == "compressed-tensors":
         from nxdserve.engine.models.compressed_tensors import CompressedCheckpoint
 
         if checkpoint is None:
             raise ConfigError("--quantization compressed-tensors: needs the checkpoint folder.")
-        quantized = CompressedCheckpoint(checkpoint).quantized_linears(len(model.layers))
+        quantized = CompressedCheckpoint(checkpoint).quantized_linears(num_layers)
         if not quantized:
             raise ConfigError(f"--quantization compressed-tensors: {checkpoint} holds no quantized linears.")
-        model.quantize_linears(lambda name, _weight: quantized.get(name))
-        return
-    if method != "gguf":
-        if method not in METHODS:
-            raise ConfigError(f"--quantization {method!r}: expected one of {', '.join(METHODS)} or gguf.")
-        kind, group = METHODS[method]
-        if kind == "int4" and group in CALIBRATED_GROUPS and method != "rtn":
-            from nxdserve.engine.models.awq import SCALED_GROUPS, quantize_model_awq
-            from nxdserve.engine.models.imatrix import quantize_model_imatrix
+        return lambda name, _weight: quantized.get(name)
+    if method == "gguf":
+        from nxdserve.engine.models.gguf_weights import load_quantized_linears
+        from nxdserve.engine.models.llama import LlamaFamilyModel
 
-            # The LM head as below (lm_head_format).
-            if group in SCALED_GROUPS and not lora:
-                quantize_model_awq(model, group, checkpoint)
-            else:
-                quantize_model_imatrix(model, group, checkpoint)
-            return
-        # The LM head stays dense for int8 / fp8 (lm_head_format): on the default model quantizing the tied head
-        # too cost int8 1.6% and fp8 3% perplexity (over the 1% bound; perf_notes.md), as in vLLM, whose online
-        # methods leave it dense.
-        model.quantize_linears(
-            lambda name, weight: lm_head_format(weight, method) if name == "lm_head" else quantize(weight, method)
-        )
-        return
-    from nxdserve.engine.models.gguf_weights import load_quantized_linears
-
-    if gguf_path is None or gguf_path.suffix != ".gguf":
-        raise ConfigError("--quantization gguf: the model must be a .gguf file (or the default model).")
-    table = load_quantized_linears(gguf_path, model.spec.num_heads, model.spec.num_kv_heads)
-    wanted = [f"layers.{i}.{a}" for i in range(len(model.layers)) for a in model.QUANTIZABLE]
-    missing = [name for name in wanted if name not in table]
-    if missing:
-        raise ConfigError(f"--quantization gguf: {gguf_path.name} has no quantized blocks for {missing[:4]}.")
-    model.quantize_linears(lambda name, _weight: table.get(name))
+        if gguf_path is None or gguf_path.suffix != ".gguf":
+            raise ConfigError("--quantization gguf: the model must be a .gguf file (or the default model).")
+        table = load_quantized_linears(gguf_path, spec.num_heads, spec.num_kv_heads)
+        wanted = [f"layers.{i}.{a}" for i in range(num_layers) for a in LlamaFamilyModel.QUANTIZABLE]
+        missing = [name for name in wanted if name not in table]
+        if missing:
+            raise ConfigError(f"--quantization gguf: {gguf_path.name} has no quantized blocks for {missing[:4]}.")
+        return lambda name, _weight: table.get(name)
+    if method not in METHODS:
+        raise ConfigError(f"--quantization {method!r}: expected one of {', '.join(METHODS)} or gguf.")
+    kind, group = METHODS[method]
+    if kind == "int4" and group in CALIBRATED_GROUPS and method != "rtn":
+        return None
+    # The LM head stays dense for int8 / fp8 (lm_head_format): on the default model quantizing the tied head
+    # too cost int8 1.6% and fp8 3% perplexity (over the 1% bound; perf_notes.md), as in vLLM, whose online
+    # methods leave it dense.
+    return lambda name, weight: lm_head_format(weight, method) if name == "lm_head" else quantize(weight, method)

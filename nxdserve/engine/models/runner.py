@@ -23,6 +23,7 @@ from nxdserve.engine.models.attention import (
 from nxdserve.engine.models.llama import LlamaFamilyModel
 
 if TYPE_CHECKING:
+    from nxdserve.engine.models.quant import LinearMaker
     from nxdserve.lora.stack import LoraStep
 
 
@@ -60,8 +61,10 @@ class SlotModelRunner:
         device: torch.device,
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
+        quantize_linear: LinearMaker | None = None,
     ) -> SlotModelRunner:
-        model = LlamaFamilyModel.from_pretrained(path, dtype, device, max_len=max_len)
+        """``quantize_linear``: each decoder linear quantized as it loads (``LlamaFamilyModel.load_weights``)."""
+        model = LlamaFamilyModel.from_pretrained(path, dtype, device, max_len=max_len, quantize_linear=quantize_linear)
         return cls(model, num_slots, max_len, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
 
     def metadata(
