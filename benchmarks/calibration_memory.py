@@ -16,47 +16,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.random_checkpoint import Shape, process_status, reset_peak, write_checkpoint
+
 # name -> (hidden, intermediate, heads, kv heads, layers); None: the default model itself
-SHAPES: dict[str, tuple[int, int, int, int, int] | None] = {
+SHAPES: dict[str, Shape | None] = {
     "default": None,
     "wide": (2048, 8192, 16, 4, 2),
     "llama3-8b-layer": (4096, 14336, 32, 8, 1),  # one decoder layer of Llama 3 8B's shape
 }
-
-
-def _checkpoint(shape: tuple[int, int, int, int, int], out: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from nxdserve.model_files import resolve_model
-
-    hidden, intermediate, heads, kv_heads, layers = shape
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, num_hidden_layers=layers, max_position_embeddings=1024, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(out), safe_serialization=True)
-    source = resolve_model(None)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, out / name)
-    return out
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _measure(path: str) -> dict[str, float]:
@@ -68,12 +41,12 @@ def _measure(path: str) -> dict[str, float]:
 
     checkpoint = resolve_model(None) if path == "default" else Path(path)
     model = LlamaFamilyModel.from_pretrained(checkpoint, torch.float32, torch.device("cpu"), max_len=1024)
-    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
-    before = _status("VmRSS")
+    reset_peak()  # the peak from here on
+    before = process_status("VmRSS")
     start = time.perf_counter()
     inputs = gptq.calibration_inputs(model, checkpoint)
     calibration_s = time.perf_counter() - start
-    peak = _status("VmHWM") - before
+    peak = process_status("VmHWM") - before
     held = sum(
         t.numel() * t.element_size()
         for c in inputs.values()
@@ -107,7 +80,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:
             shape = SHAPES[name]
-            path = "default" if shape is None else str(_checkpoint(shape, Path(tmp) / name))
+            path = "default" if shape is None else str(write_checkpoint(shape, Path(tmp) / name))
             done = subprocess.run(
                 [sys.executable, __file__, "--child", path], capture_output=True, text=True, check=True
             )

@@ -14,46 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {  # name -> (hidden, intermediate, heads, kv heads, layers)
+from benchmarks.random_checkpoint import Shape, process_status, reset_peak, write_checkpoint
+
+SHAPES: dict[str, Shape] = {  # name -> (hidden, intermediate, heads, kv heads, layers)
     "wide": (2048, 8192, 16, 4, 2),
     "llama3-8b-layer": (4096, 14336, 32, 8, 1),
     "deep": (2048, 8192, 16, 4, 8),
 }
 FORMATS = ("float32", "bf16-weights", "int8", "fp8", "int4")
-
-
-def _checkpoint(shape: tuple[int, int, int, int, int], out: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from nxdserve.model_files import resolve_model
-
-    hidden, intermediate, heads, kv_heads, layers = shape
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, num_hidden_layers=layers, max_position_embeddings=1024, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
-    source = resolve_model(None)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, out / name)
-    return out
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _measure(path: str, fmt: str) -> dict[str, float]:
@@ -63,8 +37,8 @@ def _measure(path: str, fmt: str) -> dict[str, float]:
     from nxdserve.cpu_options import CpuOptions
     from nxdserve.engine.backends.torch_backend import TorchBackend
 
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    before = process_status("VmRSS")
+    reset_peak()
     dtype = "auto" if fmt == "bf16-weights" else "float32"
     config = EngineConfig(
         model=path, backend="torch", dtype=dtype, max_model_len=256, max_num_seqs=1, seed=0,
@@ -76,8 +50,8 @@ def _measure(path: str, fmt: str) -> dict[str, float]:
     served = config.quantization or ("bf16 weights" if fmt == "bf16-weights" else "dense")
     assert backend.model is not None
     return {
-        "peak_mb": (_status("VmHWM") - before) / 2**20,
-        "after_mb": (_status("VmRSS") - before) / 2**20,
+        "peak_mb": (process_status("VmHWM") - before) / 2**20,
+        "after_mb": (process_status("VmRSS") - before) / 2**20,
         "load_s": seconds,
         "served": served,  # type: ignore[dict-item]
     }
@@ -97,7 +71,7 @@ def main() -> None:
     print(f"shape {args.shape} {SHAPES[args.shape]}")
     print(f"{'format':14s} {'peak MB':>9s} {'after MB':>9s} {'load s':>8s}")
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(_checkpoint(SHAPES[args.shape], Path(tmp) / args.shape))
+        path = str(write_checkpoint(SHAPES[args.shape], Path(tmp) / args.shape, "bfloat16"))
         for fmt in args.formats:
             done = subprocess.run(
                 [sys.executable, __file__, "--child", path, fmt], capture_output=True, text=True, check=True
