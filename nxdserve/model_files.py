@@ -260,6 +260,8 @@ def _write_hf_folder(gguf_path: Path, out_dir: Path, progress: bool) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if _write_llama_folder(gguf_path, out_dir):
+        return
     with tqdm(total=3, desc=f"Preparing {out_dir.name}", unit="step", disable=not progress) as steps:
         with _transformers_progress(progress):
             steps.set_postfix_str("dequantizing weights")
@@ -290,6 +292,35 @@ def _write_hf_folder(gguf_path: Path, out_dir: Path, progress: bool) -> None:
         if not (out_dir / "generation_config.json").is_file():
             model.generation_config.save_pretrained(str(out_dir))
         steps.update()
+
+
+def _write_llama_folder(gguf_path: Path, out_dir: Path) -> bool:
+    """The conversion of a llama-architecture file one layer at a time (``gguf_dense.py``: transformers' loader
+    would hold the whole dense model): config, weights, tokenizer and generation config as transformers writes
+    them. False, with nothing written, for a file this path does not map."""
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from nxdserve.gguf_dense import write_weights
+
+    source = {"gguf_file": gguf_path.name, "local_files_only": True}
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), **source)
+    if getattr(config, "quantization_config", None) is not None or not write_weights(
+        GGUFReader(str(gguf_path)), config, out_dir
+    ):
+        return False
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **source)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"The tokenizer in {gguf_path} has no chat template.")
+    tokenizer.model_max_length = int(config.max_position_embeddings)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = torch.float32
+    config.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    return True
 
 
 def _make_readable(folder: Path) -> None:

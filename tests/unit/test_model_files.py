@@ -25,8 +25,11 @@ def default_path() -> Path:
 def test_default_model_is_a_complete_hf_folder(default_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", COMPLETE_MARKER):
+    for name in ("config.json", "tokenizer.json", "generation_config.json", COMPLETE_MARKER):
         assert (default_path / name).is_file(), name
+    # the weights: one safetensors shard per decoder layer (gguf_dense.py), listed in the usual index
+    index = json.loads((default_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {default_path / f for f in index.values()} == set(default_path.glob("*.safetensors"))
     assert default_path == model_files.cache_dir() / "models" / "SmolLM2-135M-Instruct"
     config = load_hf_config(default_path)
     assert config.model_type == "llama" and config.num_hidden_layers == 30 and config.tie_word_embeddings
