@@ -45,7 +45,9 @@ def test_the_default_model_converts_layer_by_layer_to_the_files_values(converted
 
     config = json.loads((converted / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
-    assert config == json.loads((resolve_model(None) / "config.json").read_text())
+    cached = json.loads((resolve_model(None) / "config.json").read_text())
+    version = "transformers_version"  # the cache may have been converted by another transformers release
+    assert {k: v for k, v in config.items() if k != version} == {k: v for k, v in cached.items() if k != version}
     index = json.loads((converted / gguf_dense.INDEX).read_text())["weight_map"]
     tensors = _tensors(converted)
     assert set(index) == set(tensors) and all(t.dtype == torch.float32 for t in tensors.values())
