@@ -53,10 +53,10 @@ def write_weights(reader: Any, config: Any, out_dir: Path) -> bool:
 
     weight_map: dict[str, str] = {}
     total = 0
-    for number, (members, tensors) in enumerate(_dequantized_groups(reader, config, groups), start=1):
+    for number, tensors in enumerate(_dequantized_groups(reader, config, groups), start=1):
         file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(members, file))
+        weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
@@ -80,9 +80,8 @@ def _groups(names: list[str | None]) -> list[list[int]]:
     return groups
 
 
-def _dequantized_groups(
-    reader: Any, config: Any, groups: list[list[int]]
-) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
+def _dequantized_groups(reader: Any, config: Any, groups: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Per group, its tensors by HF name, dequantized to fp32 (q / k rows in transformers' order)."""
     from gguf.quants import dequantize
 
     from nxdserve.engine.models.gguf_weights import _reverse_permute
@@ -98,4 +97,4 @@ def _dequantized_groups(
                 heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
                 values = _reverse_permute(values, heads)
             tensors[name] = values.contiguous()
-        yield list(tensors), tensors
+        yield tensors

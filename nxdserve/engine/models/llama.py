@@ -352,12 +352,15 @@ class LlamaFamilyModel(nn.Module):
         s = self.spec
         pending: dict[str, torch.Tensor] = {}  # parts of fused tensors, until all parts are seen
         loaded: set[str] = set()
-        linears = {
-            id(getattr(layer, attr)): (layer, attr, f"layers.{i}.{attr}")
-            for i, layer in enumerate(self.layers)
-            for attr in self.QUANTIZABLE
-            if quantize_linear is not None
-        }
+        linears = (
+            {}
+            if quantize_linear is None
+            else {
+                id(getattr(layer, attr)): (layer, attr, f"layers.{i}.{attr}")
+                for i, layer in enumerate(self.layers)
+                for attr in self.QUANTIZABLE
+            }
+        )
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
