@@ -8,8 +8,9 @@ and the teacher-forced greedy (top-1) agreement with each. Prints a table and wr
 
 Besides the served formats, ``EXTRA`` builds the 4-bit groups 64 / 128 three other ways for comparison in the
 same run: ``-plain``, the calibration-free search (``quant.quantize_int4``), ``-imatrix``, the activation-weighted
-search without ``awq.py``'s scales (what ``int4-g128`` served before them; ``int4-g64`` serves it), and ``-gptq``
-(``gptq.py``: measured worse, not served).
+search without ``awq.py``'s scales (what ``int4-g128`` served before them; ``int4-g64`` serves it), ``-gptq``
+(``gptq.py``: measured worse, not served) and ``int4-g128-untuned`` (``--quantization-tune-epochs 0``: the
+calibrated search and scales without ``qtune.py``'s tuning).
 
     PYTHONPATH=$PWD python benchmarks/quant_accuracy.py [--formats bf16 fp32 int8 ... int4-g64-plain] [--json f]
 """
@@ -37,6 +38,7 @@ from nxdserve.model_files import resolve_model
 
 EXTRA = (
     "int4-g64-plain", "int4-g128-plain", "int4-g64-imatrix", "int4-g128-imatrix", "int4-g64-gptq", "int4-g128-gptq",
+    "int4-g128-untuned",
 )  # fmt: skip
 
 
@@ -44,7 +46,9 @@ def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
     """The logits of an ``EXTRA`` format: the fp32 default model's decoder linears quantized that way."""
     group = int(fmt.split("-")[1][1:])
     model = copy.deepcopy(_dense_default_model(torch.float32))
-    if fmt.endswith("-gptq"):
+    if fmt.endswith("-untuned"):
+        quant.quantize_model(model, f"int4-g{group}", checkpoint=resolve_model(None), tune_epochs=0)
+    elif fmt.endswith("-gptq"):
         gptq.quantize_model_gptq(model, group, resolve_model(None))
     elif fmt.endswith("-imatrix"):
         imatrix.quantize_model_imatrix(model, group, resolve_model(None))

@@ -125,6 +125,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu=cpu_options_from_args(args),
         **chat_config_kwargs(args),  # issue 27
         quantization=args.quantization,
+        quantization_tune_epochs=args.quantization_tune_epochs,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras or 1,
         max_lora_rank=args.max_lora_rank or 16,

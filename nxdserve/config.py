@@ -113,6 +113,10 @@ class EngineConfig:
     # Not given, the torch backend sets it to what it serves: "gguf" for a .gguf model (the default model too)
     # when --dtype is not given either, except where dense is faster or required (engine.backends.weight_format).
     quantization: str | None = None
+    # 4-bit groups the scales of which are tuned at load (engine.models.qtune.TUNED_GROUPS, int4-g128): epochs
+    # over the tuning texts (None: qtune.EPOCHS; 0: no tuning, the calibrated search alone). Each costs about three
+    # forwards of the model over ~8000 tokens (~80 s for the default model on 2 CPU cores).
+    quantization_tune_epochs: int | None = None
 
     def resolve(
         self,
@@ -139,6 +143,9 @@ class EngineConfig:
             raise ConfigError(
                 f"--quantization {self.quantization!r}: expected one of {', '.join(QUANTIZATION_METHODS)}."
             )
+        epochs = self.quantization_tune_epochs
+        if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
+            raise ConfigError(f"--quantization-tune-epochs must be an int >= 0, got {epochs!r}.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}."

@@ -61,6 +61,10 @@ def add_model_flags(p: ServeParser) -> None:
           "a CPU without the fused AVX512-BF16/AMX decoder, when --dtype is not given); compressed-tensors: an "
           "llm-compressor checkpoint from its own codes (auto-detected from config.json); nxd backend: int8 / fp8 "
           "through NxD's per-channel quantization (docs/quantization.md)")  # fmt: skip
+    g.add("--quantization-tune-epochs", type=int, default=None,
+          note="int4-g128: epochs of tuning its group scales and offsets against the dense model at load (default 3; "
+          "0: none). Each costs about three forwards over ~8000 tokens: ~80 s for the default model on 2 CPU "
+          "cores, far longer for large models on a CPU (docs/quantization.md)")  # fmt: skip
     g.no_effect("--enforce-eager", action=BOOL, default=False, note=NO_CUDA_GRAPHS)
     g.add("--max-logprobs", type=int, default=20, note="largest logprobs / top_logprobs a request may ask")
     g.refused("--logprobs-mode", default="raw_logprobs", note="nxdserve returns raw logprobs")

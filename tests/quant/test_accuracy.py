@@ -99,14 +99,13 @@ def test_int4_group_64_within_ten_percent_of_bf16_perplexity(sample: tuple[list[
 def test_each_format_within_its_perplexity_bound(sample: tuple[list[int], torch.Tensor]) -> None:
     """fp8 within 1% of the bf16 model's perplexity (per-row scales measured 1.9%), the 4-bit default (group 32)
     within 10%, the file's own GGUF blocks within 1% (they are the weights the dense model expands), group 64
-    (calibrated at load, bias-corrected) within 10% (the default suite checks it too). Group 128 (with awq.py's
-    activation-aware scales) is over the issue's 10% on this Q4_1 model (docs/quantization.md says why): bounded
-    at its measured +13.3% / +14.5% (an AVX2 EPYC / a Xeon with AMX) plus noise, far under the plain search's +70%,
-    and it beats plain round-to-nearest (``rtn``)."""
+    (calibrated at load, bias-corrected) within 10% (the default suite checks it too), group 128 (awq.py's
+    activation-aware scales, then qtune.py's tuning of its scales against the dense model: minutes) within 10%
+    (+8.06% measured, +14.47% untuned), and it beats plain round-to-nearest (``rtn``)."""
     ids, reference = sample
     ref = perplexity(reference, ids)
     formats = ("fp8", "int4", "gguf", "int4-g64", "int4-g128", "rtn")
     ppl = {fmt: perplexity(format_logits(fmt, ids), ids) for fmt in formats}
-    for fmt, bound in (("fp8", 0.01), ("int4", 0.10), ("gguf", 0.01), ("int4-g64", 0.10), ("int4-g128", 0.15)):
+    for fmt, bound in (("fp8", 0.01), ("int4", 0.10), ("gguf", 0.01), ("int4-g64", 0.10), ("int4-g128", 0.10)):
         assert abs(ppl[fmt] / ref - 1) < bound, (fmt, ppl[fmt], ref)
     assert ppl["int4-g128"] < ppl["rtn"]

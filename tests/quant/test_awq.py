@@ -93,13 +93,13 @@ def test_lora_served_models_are_not_scaled() -> None:
     norms, final, embed = _norms(model), model.norm.weight.detach().clone(), model.embed_weight.detach().clone()
     reference = _tiny()[0]
     imatrix.quantize_model_imatrix(reference, 128, path)
-    quant.quantize_model(model, "int4-g128", checkpoint=path, lora=True)
+    quant.quantize_model(model, "int4-g128", checkpoint=path, lora=True, tune_epochs=0)  # qtune: test_qtune.py
     assert all(torch.equal(a, b) for a, b in zip(_norms(model), norms, strict=True))
     for layer, ref in zip(model.layers, reference.layers, strict=True):
         for attr in model.QUANTIZABLE:
             torch.testing.assert_close(getattr(layer, attr).dequantize(), getattr(ref, attr).dequantize())
     served = _tiny()[0]
-    quant.quantize_model(served, "int4-g128", checkpoint=path)
+    quant.quantize_model(served, "int4-g128", checkpoint=path, tune_epochs=0)
     assert any(not torch.equal(a, b) for a, b in zip(_norms(served), norms, strict=True))
     unscaled = _tiny()[0]  # group 64 keeps the weighted search alone (awq.SCALED_GROUPS)
     quant.quantize_model(unscaled, "int4-g64", checkpoint=path)

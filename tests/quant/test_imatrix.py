@@ -3,10 +3,12 @@ model and against the plain search on synthetic weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from nxdserve.engine.models import cpu_kernels, gptq, imatrix, quant
+from nxdserve.engine.models import cpu_kernels, gptq, imatrix, qtune, quant
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.errors import ConfigError
 from tests.helpers.cpu_paths import forced_cpu_path
@@ -87,11 +89,13 @@ def test_calibration_needs_the_tokenizer() -> None:
     assert model.layers[0].qkv_weight.group == 128
 
 
-def test_calibration_text_is_not_the_evaluation_sample() -> None:
+@pytest.mark.parametrize("text", (gptq.CALIBRATION, *qtune.TUNING_TEXTS), ids=lambda p: p.name)
+def test_calibration_texts_are_not_the_evaluation_sample(text: Path) -> None:
     from nxdserve.engine.models.perplexity import SAMPLE
 
-    calibration, sample = gptq.CALIBRATION.read_text(), SAMPLE.read_text()
+    calibration, sample = text.read_text(), SAMPLE.read_text()
     sentences = {s.strip() for s in sample.split(".") if len(s.strip()) > 20}
+    assert len(sentences) > 10
     assert not any(s in calibration for s in sentences)
 
 
@@ -135,12 +139,14 @@ def test_group_64_biases_cancel_the_mean_output_error_on_the_calibration(dtype: 
 
 
 @pytest.mark.parametrize(("method", "lora"), [("int4-g128", True), ("int4-g128", False), ("int4-g32", False)])
-def test_other_groups_get_no_bias(method: str, lora: bool) -> None:
+def test_other_groups_get_no_bias(method: str, lora: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Also a bf16 model's calibration (with awq.py's scales where not ``lora``): its forward calls the stand-ins,
-    where the fused bf16 forward would otherwise have read their dense copies (fused_decode.py)."""
+    where the fused bf16 forward would otherwise have read their dense copies (fused_decode.py); and one epoch of
+    qtune.py's tuning of a bf16 model's group 128."""
+    monkeypatch.setattr(qtune, "TUNING_TEXTS", qtune.TUNING_TEXTS[:1])  # the test's time
     path = tiny_model_path("llama")
     model = LlamaFamilyModel.from_pretrained(path, torch.bfloat16, torch.device("cpu"))
-    quant.quantize_model(model, method, checkpoint=path, lora=lora)
+    quant.quantize_model(model, method, checkpoint=path, lora=lora, tune_epochs=0 if lora else 1)
     assert all(type(layer.qkv_weight) is quant.QuantLinear for layer in model.layers)
     assert all(layer.qkv_bias is None and layer.down_bias is None for layer in model.layers)
 

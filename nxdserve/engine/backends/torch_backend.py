@@ -205,7 +205,7 @@ class TorchBackend(Backend):
         try:
             quantize_model(
                 self.model, chosen.quantization, _gguf_file(config), checkpoint=model_path,
-                lora=config.enable_lora, make=make,
+                lora=config.enable_lora, make=make, tune_epochs=config.quantization_tune_epochs,
             )  # fmt: skip
         except ConfigError as exc:
             if not chosen.by_default:

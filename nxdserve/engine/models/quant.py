@@ -514,27 +514,38 @@ def quantize_model(
     checkpoint: Path | None = None,
     lora: bool = False,
     make: LinearMaker | None = None,
+    tune_epochs: int | None = None,
 ) -> None:
     """Apply ``--quantization method`` to a loaded ``LlamaFamilyModel``: quantize its dense linears (a name in
     ``METHODS``; 4-bit groups over 32 calibrated on a text tokenized with ``checkpoint``'s tokenizer: ``awq.py``'s
     activation-aware scales, folded into the norms, unless ``lora``: adapters read the linears' original inputs),
     or put a file's own codes in their place: ``gguf`` (the .gguf file's blocks) or ``compressed-tensors`` (the
     ``checkpoint`` folder's, ``compressed_tensors.py``). ``make``: ``linear_quantizer``'s for this method where the
-    caller has it (the linears it already quantized at load are skipped)."""
+    caller has it (the linears it already quantized at load are skipped). ``tune_epochs``: the groups in
+    ``qtune.TUNED_GROUPS`` then get their scales and offsets tuned against the dense model for that many epochs
+    (None: ``qtune.EPOCHS``; 0: not tuned)."""
     if make is None:
         make = linear_quantizer(method, model.spec, len(model.layers), gguf_path, checkpoint)
     if make is not None:
         model.quantize_linears(make)
         return
+    from nxdserve.engine.models import qtune
     from nxdserve.engine.models.awq import SCALED_GROUPS, quantize_model_awq
     from nxdserve.engine.models.imatrix import quantize_model_imatrix
 
     # The calibrated 4-bit groups: the LM head as lm_head_format.
     group = METHODS[method][1]
+    # The teacher is read before the calibration changes anything (awq.py folds its scales into the norms).
+    epochs = qtune.EPOCHS if tune_epochs is None else tune_epochs
+    targets = None
+    if group in qtune.TUNED_GROUPS and epochs > 0 and checkpoint is not None:  # None: the calibration refuses
+        targets = qtune.teacher_targets(model, checkpoint)
     if group in SCALED_GROUPS and not lora:
         quantize_model_awq(model, group, checkpoint)
     else:
         quantize_model_imatrix(model, group, checkpoint)
+    if targets is not None:
+        qtune.tune_scales(model, targets, epochs)
 
 
 def linear_quantizer(
