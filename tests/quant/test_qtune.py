@@ -112,6 +112,22 @@ def test_quantize_model_tunes_the_groups_listed(monkeypatch: pytest.MonkeyPatch)
     assert runs == [1]
 
 
+def test_only_the_plain_decoder_is_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subclass (Mllama's decoder is one: cross-attention layers the tuning forward does not model) is quantized
+    without tuning, and says so."""
+
+    class CrossDecoder(LlamaFamilyModel):
+        pass
+
+    model, path = _tiny()
+    assert qtune.supports(model)
+    model.__class__ = CrossDecoder
+    assert not qtune.supports(model)
+    monkeypatch.setattr(qtune, "teacher_targets", lambda *a, **k: pytest.fail("tuned"))
+    quant.quantize_model(model, "int4-g128", checkpoint=path)  # type: ignore[arg-type]
+    assert isinstance(model.layers[0].qkv_weight, quant.QuantLinear)
+
+
 def test_tuning_refuses_a_model_with_dense_linears(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(qtune, "TUNING_TEXTS", qtune.TUNING_TEXTS[:1])  # the test's time
     model, path = _tiny()

@@ -207,6 +207,15 @@ class _Groups:
         lin.__dict__.pop("_cache", None)  # copies expanded from the old scales
 
 
+def supports(model: Any) -> bool:
+    """Whether ``reference_logits`` is ``model``'s forward: a plain ``LlamaFamilyModel`` of ``DecoderLayer``s (a
+    Qwen2-VL text model is one: on text its M-RoPE is the 1-D RoPE), not Mllama's decoder, whose cross-attention
+    layers it does not model."""
+    from nxdserve.engine.models.llama import DecoderLayer, LlamaFamilyModel
+
+    return type(model) is LlamaFamilyModel and all(type(layer) is DecoderLayer for layer in model.layers)
+
+
 def tunable(model: Any) -> bool:
     """Whether every decoder linear is a 4-bit ``QuantLinear`` with offsets (what ``tune_scales`` trains)."""
     return all(

@@ -26,6 +26,7 @@ fp32 GEMM at one row), so they get the activations in bf16 (``kernel_dtype``) an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from nxdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 INT4_GROUPS = (32, 64, 128)
 KERNEL_DTYPE = torch.bfloat16  # the activations PyTorch's weight-only kernels get (see the module doc)
@@ -539,7 +542,10 @@ def quantize_model(
     epochs = qtune.EPOCHS if tune_epochs is None else tune_epochs
     targets = None
     if group in qtune.TUNED_GROUPS and epochs > 0 and checkpoint is not None:  # None: the calibration refuses
-        targets = qtune.teacher_targets(model, checkpoint)
+        if qtune.supports(model):
+            targets = qtune.teacher_targets(model, checkpoint)
+        else:
+            logger.info("%s: group scales not tuned (qtune does not model %s)", method, type(model).__name__)
     if group in SCALED_GROUPS and not lora:
         quantize_model_awq(model, group, checkpoint)
     else:
