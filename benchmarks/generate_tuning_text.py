@@ -3,7 +3,8 @@
 The dense fp32 default model answers ``--prompts`` prompts of the shipped EAGLE prompt set (shuffled with
 ``--seed``) at temperature 0.8, top-p 0.95, up to ``--max-tokens`` tokens each, request i seeded with
 seed * 1000 + i; each prompt and its answer become one paragraph pair of the text (LLM-QAT's data-free idea:
-text the model itself finds likely). The defaults write the shipped file, byte for byte (checked on the 2-core Xeon with AMX).
+text the model itself finds likely). The defaults write the shipped file, byte for byte (checked on the 2-core
+Xeon with AMX).
 
     PYTHONPATH=$PWD python benchmarks/generate_tuning_text.py [--prompts 32] [--max-tokens 256] [--seed 1] > out.txt
 """
