@@ -146,6 +146,10 @@ class EngineConfig:
         epochs = self.quantization_tune_epochs
         if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
             raise ConfigError(f"--quantization-tune-epochs must be an int >= 0, got {epochs!r}.")
+        if epochs is not None and self.quantization != "int4-g128":  # the one method qtune tunes
+            raise ConfigError(
+                f"--quantization-tune-epochs applies to --quantization int4-g128 only, not {self.quantization!r}."
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}."

@@ -62,7 +62,8 @@ def add_model_flags(p: ServeParser) -> None:
           "llm-compressor checkpoint from its own codes (auto-detected from config.json); nxd backend: int8 / fp8 "
           "through NxD's per-channel quantization (docs/quantization.md)")  # fmt: skip
     g.add("--quantization-tune-epochs", type=int, default=None,
-          note="int4-g128: epochs of tuning its group scales and offsets against the dense model at load (default 3; "
+          note="int4-g128 only (refused with other methods): epochs of tuning its group scales and offsets against the "
+          "dense model at load (default 3; "
           "0: none). Each costs about three forwards over ~8000 tokens: ~80 s for the default model on 2 CPU "
           "cores, far longer for large models on a CPU (docs/quantization.md)")  # fmt: skip
     g.no_effect("--enforce-eager", action=BOOL, default=False, note=NO_CUDA_GRAPHS)

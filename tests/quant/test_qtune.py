@@ -154,3 +154,5 @@ def test_backend_tunes_as_configured(epochs: int | None, monkeypatch: pytest.Mon
     assert calls == ([] if epochs == 0 else [epochs or qtune.EPOCHS])
     with pytest.raises(ConfigError, match="quantization-tune-epochs"):
         EngineConfig(model=str(path), quantization_tune_epochs=-1).resolve(model_max_positions=512)
+    with pytest.raises(ConfigError, match="int4-g128 only, not 'int8'"):  # no silent no-op with other methods
+        EngineConfig(model=str(path), quantization="int8", quantization_tune_epochs=1).resolve(512)
