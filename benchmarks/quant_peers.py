@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -458,14 +460,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="per-sequence context: small, so that ~15 servers' KV caches fit in memory at once",
     )
-    p.add_argument("--vllm-python", default="/work/ext/vllmenv/bin/python")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(Path.home() / "vllm-cpu/bin/python")),
+                   help="python of vLLM's CPU venv ($VLLM_PYTHON, else ~/vllm-cpu as in benchmarks/README.md)")
     p.add_argument(
         "--gguf",
         default=None,
         help="a Q4_1 GGUF served in place of the default model (nxdserve --model, llama-q4_1; vLLM its dense copy)",
     )
     p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per vLLM server")
-    p.add_argument("--llamacpp-bin", default=str(LLAMA_SRC / "build/bin/llama-server"))
+    p.add_argument("--llamacpp-bin", default=shutil.which("llama-server") or str(LLAMA_SRC / "build/bin/llama-server"),
+                   help="llama-server: the one on PATH, else the build in --llama-src")
     p.add_argument("--llama-src", default=str(LLAMA_SRC), help="llama.cpp source tree (convert_hf_to_gguf.py)")
     p.add_argument("--gguf-dir", default="/work/ext/gguf", help="where the Q8_0 / BF16 / F32 GGUFs are (made)")
     p.add_argument("--make-ggufs", action="store_true", help="convert the missing GGUFs first")
