@@ -111,15 +111,21 @@ def test_forcing_the_avx2_kernels_serves_what_an_avx2_machine_would() -> None:
         cpu_setup.apply(CpuOptions())
 
 
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
 def test_a_gguf_whose_linears_are_not_served_quantized_falls_back_to_dense(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, isa: str
 ) -> None:
     """By default a file whose linears are in a type the blocks path does not take (here: the reader's own error
-    for Q6_K) is served dense, with the reason logged; asked for with --quantization gguf, it is the error."""
+    for Q6_K) is served dense, with the reason logged; asked for with --quantization gguf, it is the error. With
+    the AVX2 kernels forced, on any x86 CPU, the dense weights take the form a CPU without native bf16 gives."""
+    from nxdserve.cpu_options import CpuOptions
     from nxdserve.engine.backends import torch_backend, weight_format
-    from nxdserve.engine.models import gguf_weights
+    from nxdserve.engine.models import cpu_kernels, cpu_setup, gguf_weights
     from nxdserve.errors import ConfigError
     from tests.helpers.tiny_model import tiny_model_path
+
+    if isa == "avx2" and "avx2" not in cpu_kernels.runnable_paths():
+        pytest.skip("this CPU cannot run the AVX2 kernels")
 
     def unserved(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantLinear]:
         raise ConfigError("--quantization gguf: blk.0.ffn_down.weight is Q6_K; served quantized: Q4_0, Q4_1, Q4_K")
@@ -128,15 +134,21 @@ def test_a_gguf_whose_linears_are_not_served_quantized_falls_back_to_dense(
     # The blocks are the default on every CPU here (on AVX512-BF16 / AMX the default is otherwise dense bf16).
     monkeypatch.setattr(weight_format, "FUSED_BF16_PATHS", ())
     monkeypatch.setattr(gguf_weights, "load_quantized_linears", unserved)
-    settings = {"model": str(tiny_model_path("llama")), "max_model_len": 64, "max_num_seqs": 2}
-    with caplog.at_level(logging.INFO, logger="nxdserve.engine.backends.torch_backend"):
-        core = make_core(dtype="auto", **settings)
-    assert core.config.quantization is None
-    assert "not the file's blocks" in caplog.text and "Q6_K" in caplog.text
-    layer = core.backend.model.layers[0]  # type: ignore[attr-defined]
-    qkv = layer.qkv_weight
-    # Dense: a tensor, or on a CPU without native bf16 (AVX2, NEON) the dense weights kept in bf16 and multiplied
-    # in fp32 (--cpu-bf16-weights, the default there); never 4-bit codes.
-    assert isinstance(qkv, torch.Tensor) or qkv.kind == "bf16", qkv
-    with pytest.raises(ConfigError, match="Q6_K"):
-        make_core(dtype="float32", quantization="gguf", **settings)
+    settings = {"model": str(tiny_model_path("llama")), "max_model_len": 64, "max_num_seqs": 2,
+                "cpu": CpuOptions(isa=isa)}
+    try:
+        with caplog.at_level(logging.INFO, logger="nxdserve.engine.backends.torch_backend"):
+            core = make_core(dtype="auto", **settings)
+        assert core.config.quantization is None
+        assert "not the file's blocks" in caplog.text and "Q6_K" in caplog.text
+        qkv = core.backend.model.layers[0].qkv_weight  # type: ignore[attr-defined]
+        # Dense, never 4-bit codes: a tensor where bf16 is native; on a CPU without it (AVX2, NEON, or the AVX2
+        # kernels forced) the weights kept in bf16 and multiplied in fp32 (--cpu-bf16-weights, the default there).
+        if isa == "avx2":
+            assert isinstance(qkv, QuantLinear) and qkv.kind == "bf16", qkv
+        else:
+            assert isinstance(qkv, torch.Tensor) or qkv.kind == "bf16", qkv
+        with pytest.raises(ConfigError, match="Q6_K"):
+            make_core(dtype="float32", quantization="gguf", **settings)
+    finally:
+        cpu_setup.apply(CpuOptions())
