@@ -298,3 +298,24 @@ def test_a_served_weight_holds_its_codes_once(method: str) -> None:
     visit(vars(q))
     per_block_scales = N * 576 // 32 * 4
     assert sum(storages.values()) <= q.nbytes + per_block_scales
+
+
+@pytest.mark.skipif(not KERNEL_PATHS or cpu_kernels.compiler() is None, reason="no C kernels on this machine")
+def test_a_build_with_other_defines_runs_in_place_of_the_paths_own_and_is_put_back() -> None:
+    """``benchmarks/kernel_ab.py``'s mechanism: a build of the running variant with a knob changed (the prefetch
+    distance: the same arithmetic) serves the calls inside ``running_library`` and gives the same results; the
+    path's own library serves them again afterwards."""
+    gen = torch.Generator().manual_seed(7)
+    codes, scale, offset = _q4_codes(N, 576, gen)
+    weight = quant.int4_from_codes(codes, scale, offset, 32, 576)
+    x = torch.randn(3, 576, generator=gen)
+    own = cpu_kernels._library()
+    other = cpu_kernels.build_running_variant(["-DQPF=1024"])
+    assert other is not own and other._name != own._name  # another file: the defines key the cache
+    kernel = weight._kernel_args()
+    expected = kernel(x)
+    with cpu_kernels.running_library(other):
+        assert cpu_kernels._library() is other
+        got = kernel(x)
+    assert cpu_kernels._library() is own
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -26,6 +26,7 @@ the model runs its torch ops and SDPA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -36,7 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -390,6 +391,27 @@ def set_extra_build_flags(flags: Sequence[str]) -> None:
 
 
 _state = _Kernels()
+
+
+def build_running_variant(extra_flags: Sequence[str]) -> ctypes.CDLL:
+    """The running path's library built with ``extra_flags`` too (compile-time switches, ``-DNAME=VALUE``) and
+    loaded beside the others: ``benchmarks/kernel_ab.py`` times such builds against each other in one process.
+    Raises RuntimeError on the torch path or a failed build."""
+    variant = variant_of(_state.path or configure(_state.isa, _state.amx))
+    if variant is None:
+        raise RuntimeError("no C kernels run on this path")
+    return load(build_variant(variant, extra_flags=[*_state.extra_flags, *extra_flags]))
+
+
+@contextlib.contextmanager
+def running_library(lib: ctypes.CDLL) -> Iterator[None]:
+    """Every kernel call inside runs ``lib`` (one of ``build_running_variant``'s) instead of the path's own."""
+    saved = _library()
+    _state.current = lib
+    try:
+        yield
+    finally:
+        _state.current = saved
 
 
 def configure(isa: str = "auto", amx: bool = True) -> str:
