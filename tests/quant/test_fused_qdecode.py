@@ -175,6 +175,13 @@ def test_accepts_falls_back_where_it_does_not_apply() -> None:
         del layer._parameters["o_weight"]
         layer.o_weight = saved
         assert fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
+        # a norm's weight replaced (the layers are looked at again after any assignment on a norm too)
+        norm = model.layers[0].post_norm
+        fp32_weight = norm.weight
+        norm.weight = torch.nn.Parameter(fp32_weight.detach().to(torch.bfloat16), requires_grad=False)
+        assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
+        norm.weight = fp32_weight
+        assert fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
     with forced_cpu_path("none"):
         assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), cache)
     with forced_cpu_path(KERNEL_PATHS[0], fused_quant_decode=False):

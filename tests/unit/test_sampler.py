@@ -309,3 +309,48 @@ def test_compute_logprobs_any_leading_shape_and_padding() -> None:
     ref = torch.log_softmax(logits, -1)
     assert np.isclose(block.logprobs[0, 1, 0], ref[0, 1, 2].item())
     assert (block.token_ids[..., 1] == ref.argmax(-1).numpy()).all()
+
+
+@pytest.mark.parametrize(
+    ("params", "stop_ids", "plain"),
+    [
+        (SamplingParams(temperature=0.0), [], True),
+        (SamplingParams(temperature=0.0, min_tokens=2), [], True),  # no stop ids to hold back: nothing to do
+        (SamplingParams(temperature=0.7), [], False),
+        (SamplingParams(temperature=0.0, logprobs=2), [], False),
+        (SamplingParams(temperature=0.0, logit_bias={3: 5.0}), [], False),
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), [], False),
+        (SamplingParams(temperature=0.0, frequency_penalty=0.5), [], False),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.2), [], False),
+        (SamplingParams(temperature=0.0, min_tokens=2), [0], False),
+    ],
+)
+def test_the_batch_marks_plain_greedy_slots_as_the_sampler_s_general_checks_do(
+    params: SamplingParams, stop_ids: list[int], plain: bool
+) -> None:
+    """``PersistentBatch.plain_greedy`` (the sampler's shortcut) agrees with the general path's own test of the
+    same rows (greedy, no logprobs, an empty processor plan), and a freed slot is not plain."""
+    batch = make_batch([params], stop_ids=[stop_ids])
+    slots = np.array([0])
+    rows = RowParams.gather(batch, slots)
+    general = bool(rows.greedy.all()) and int(rows.num_logprobs.max()) < 0
+    general = general and ProcessorPlan.build(rows, SlotTables(batch)).empty
+    assert bool(batch.plain_greedy[0]) == plain == general
+    batch.remove(0)
+    assert not batch.plain_greedy[0]
+
+
+def test_plain_greedy_rows_take_the_argmax_and_a_mixed_batch_the_general_path() -> None:
+    """Rows that are all plain greedy get the first maximum of each row (the general path's tokens); one row
+    wanting logprobs in the same step sends the whole step through the general path, which returns them."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 12)
+    logits[1, 4] = logits[1, 7] = logits[1].max() + 1.0  # a tie: the first maximum wins
+    greedy = SamplingParams(temperature=0.0)
+    sampler = Sampler(12, CPU)
+    batch = make_batch([greedy, greedy, greedy])
+    out = sampler.sample(logits, np.arange(3), batch)
+    assert out.token_ids.tolist() == [int(logits[0].argmax()), 4, int(logits[2].argmax())] and out.logprobs is None
+    mixed = make_batch([greedy, SamplingParams(temperature=0.0, logprobs=1), greedy])
+    out = sampler.sample(logits, np.arange(3), mixed)
+    assert out.token_ids.tolist()[1] == 4 and out.logprobs is not None

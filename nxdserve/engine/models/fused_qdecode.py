@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nxdserve.engine.models import cpu_kernels, quant
+from nxdserve.engine.models import cpu_kernels, module_swaps, quant
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
 from nxdserve.engine.models.quant import QuantLinear
 
@@ -74,14 +74,16 @@ class FusedQuantDecode:
         self._table: _LayerTable | None = None
         self._weights_key: tuple[int, ...] | None = None
         self._weights_ok = False
+        self._swaps_seen = -1  # module_swaps.generation() when the layers were last looked at
 
     def _linears(self, layer: DecoderLayer) -> tuple[object, ...]:
         return (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
 
     def _stack_key(self) -> tuple[int, ...]:
         """The ids of the objects in place: quantize_linears swaps them, and a QuantLinear's codes never change in
-        place. Checked every step, so read from the modules' own dicts: through ``nn.Module.__getattr__`` (~1 us a
-        name) this took ~250 us a call for SmolLM2's 30 layers (then twice in a ~12 ms decode step)."""
+        place. Read from the modules' own dicts: through ``nn.Module.__getattr__`` (~1 us a name) this took ~250
+        us a call for SmolLM2's 30 layers; still ~0.14 ms a step cold, so it runs only after a swap
+        (``_weights_supported``). The layers themselves are the model's for good (bound at construction)."""
         key: list[int] = []
         for layer in self.layers:
             attrs, params, modules = layer.__dict__, layer._parameters, layer._modules
@@ -93,10 +95,14 @@ class FusedQuantDecode:
         return tuple(key)
 
     def _weights_supported(self) -> bool:
-        """Every linear a QuantLinear in a kernel format with K a multiple of 32 (no padding), norms fp32."""
-        key = self._stack_key()
-        if key != self._weights_key:
-            self._weights_key, self._weights_ok = key, all(self._layer_supported(layer) for layer in self.layers)
+        """Every linear a QuantLinear in a kernel format with K a multiple of 32 (no padding), norms fp32. The
+        layers are looked at again only after an attribute of a decoder module was assigned (module_swaps)."""
+        swaps = module_swaps.generation()
+        if swaps != self._swaps_seen:
+            key = self._stack_key()
+            if key != self._weights_key:
+                self._weights_key, self._weights_ok = key, all(self._layer_supported(layer) for layer in self.layers)
+            self._swaps_seen = swaps
         return self._weights_ok
 
     def _layer_supported(self, layer: DecoderLayer) -> bool:

@@ -29,6 +29,7 @@ from nxdserve.engine.models.fused_decode import FusedDecode
 from nxdserve.engine.models.fused_qdecode import FusedQuantDecode
 from nxdserve.engine.models.greedy_head import GreedyHead
 from nxdserve.engine.models.linear import linear
+from nxdserve.engine.models.module_swaps import SwapCounted
 from nxdserve.engine.models.quant import LinearMaker, QuantLinear
 from nxdserve.engine.models.rope import RotaryTables, apply_rope, rope_inv_freq
 from nxdserve.engine.models.spec import ModelSpec
@@ -56,7 +57,7 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(SwapCounted):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
@@ -69,7 +70,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(SwapCounted):
     def __init__(
         self, spec: ModelSpec, window: int | None, dtype: torch.dtype, device: torch.device, index: int = 0
     ) -> None:

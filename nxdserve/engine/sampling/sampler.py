@@ -81,6 +81,10 @@ class Sampler:
         """One token per row of ``logits`` (N, V); row i uses the parameters of ``slots[i]``. ``token_mask``
         (structured outputs) limits some rows to their allowed tokens; logprobs stay the model's."""
         logits = model_logits = self._trim(logits)
+        if token_mask is None and batch.plain_greedy[slots].all():
+            # What the general path below computes for such rows, without its per-row gathers (~0.2 ms of a
+            # ~10 ms single-stream CPU step, measured: benchmarks/perf_notes.md).
+            return SampleOutput(token_ids=argmax(logits.float()), logprobs=None)
         if token_mask is not None:
             logits = token_mask.masked(logits)
         rows = RowParams.gather(batch, slots)
@@ -108,6 +112,8 @@ class Sampler:
         """Whether these rows' tokens are a plain argmax (greedy, no processors, no logprobs), as ``sample``
         and ``verify`` then take them: the argmax may come straight from the LM head
         (``SlotModelRunner.greedy_tokens``)."""
+        if batch.plain_greedy[slots].all():
+            return True
         rows = RowParams.gather(batch, slots)
         if not rows.greedy.all() or int(rows.num_logprobs.max(initial=-1)) >= 0:
             return False
