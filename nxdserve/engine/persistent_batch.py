@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nxdserve.engine.step import StepPlan
-from nxdserve.sampling_params import GREEDY_EPS, SamplingParams
+from nxdserve.sampling_params import SamplingParams
 
 
 class PersistentBatch:
@@ -44,7 +44,7 @@ class PersistentBatch:
         self.num_prompt_logprobs = np.full(s, -1, dtype=np.int32)
         self.min_tokens = np.zeros(s, dtype=np.int32)
         # Slots whose token is a plain argmax: greedy, no logprobs, no logit bias, penalties or min-tokens stop
-        # ids. Set at admission from the arrays above (nothing else writes them), so that a step of such rows
+        # ids. Set at admission with the arrays above (nothing else writes them), so that a step of such rows
         # needs no per-row gathers in the sampler (Sampler.sample).
         self.plain_greedy = np.zeros(s, dtype=bool)
         # Ids masked until min_tokens outputs exist (eos + stop_token_ids), per slot.
@@ -137,13 +137,11 @@ class PersistentBatch:
             torch.Generator().manual_seed(params.seed % (2**63)) if params.seed is not None else None
         )
         self.plain_greedy[slot] = (
-            self.temperature[slot] < GREEDY_EPS
-            and self.num_logprobs[slot] < 0
-            and self.logit_bias[slot] is None
+            params.is_greedy
+            and params.logprobs is None
+            and not params.logit_bias
+            and not params.needs_penalties
             and not self.min_tokens_stop_ids[slot]
-            and self.presence_penalty[slot] == 0.0
-            and self.frequency_penalty[slot] == 0.0
-            and self.repetition_penalty[slot] == 1.0
         )
         self.version += 1
 

@@ -203,15 +203,11 @@ class AttentionMetadata:
         if np.unique(slots).size != slots.size:
             raise ValueError("a slot appears in more than one row")
 
-        if int(lens.max()) == 1:  # decode rows only (the steady state): one token a row, at its start
-            offsets = np.arange(lens.size + 1, dtype=np.int64)
-            num_tokens, token_row, positions = lens.size, offsets[:-1], starts.copy()
-        else:
-            offsets = np.zeros(lens.size + 1, dtype=np.int64)
-            np.cumsum(lens, out=offsets[1:])
-            num_tokens = int(offsets[-1])
-            token_row = np.repeat(np.arange(lens.size), lens)
-            positions = starts[token_row] + np.arange(num_tokens) - offsets[token_row]
+        offsets = np.zeros(lens.size + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        num_tokens = int(offsets[-1])
+        token_row = np.repeat(np.arange(lens.size), lens)
+        positions = starts[token_row] + np.arange(num_tokens) - offsets[token_row]
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -244,9 +240,7 @@ class AttentionMetadata:
             masks = {w: _additive(_restrict(allowed, query_pos, w).repeat(num_query_groups, 1), dtype) for w in windows}
             chunks.append(_Chunk(int(slots[r]), int(offsets[r]), n, start + n, masks))
         kernel_select, kernel_count = None, 0
-        if attention_kernel and batched is not None and not chunks:  # every token in the batched rows, in order
-            kernel_count = num_tokens
-        elif attention_kernel:
+        if attention_kernel:
             batched_tokens = np.flatnonzero(is_batched[token_row])
             kernel_count = int(batched_tokens.size)
             if kernel_count and batched_tokens[-1] != kernel_count - 1:  # not simply the first tokens
