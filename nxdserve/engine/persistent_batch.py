@@ -93,6 +93,10 @@ class PersistentBatch:
 
     def append_sampled(self, slots: np.ndarray, token_ids: np.ndarray, num_sampled: np.ndarray) -> None:
         """A step's tokens: row r of ``token_ids`` (R, W) holds ``num_sampled[r]`` tokens for ``slots[r]``."""
+        if token_ids.shape[1] == 1 and bool(num_sampled.all()):  # one token a row (plain decodes): no masks
+            self.token_ids[slots, self.num_tokens[slots]] = token_ids[:, 0]
+            self.num_tokens[slots] += 1
+            return
         if not num_sampled.any():
             return
         cols = np.arange(token_ids.shape[1])[None, :]

@@ -234,3 +234,64 @@ def test_plan_diffs_free_before_they_admit(backend: TorchBackend, batch: Persist
     freed.freed_slots = [1]
     backend.execute(freed)  # an empty plan still applies its diffs
     assert not batch.active.any() and batch.num_tokens[1] == 0
+
+
+def _decode_run(backend: TorchBackend, batch: PersistentBatch, steps: int) -> list[StepResult]:
+    """Three slots with different sampling (plain greedy; seeded sampling with logprobs; greedy with a
+    repetition penalty) prefilled together, then ``steps`` decode steps of all three."""
+    prompts = {0: prompt(9, 21), 2: prompt(5, 22), 3: prompt(12, 23)}
+    add(batch, 0, prompts[0])
+    _new.append(NewRequest(2, "req-2", prompts[2], SamplingParams(temperature=0.9, seed=7, logprobs=2), []))
+    add(batch, 3, prompts[3], repetition_penalty=1.5)
+    results = [backend.execute(make_plan([(s, 0, len(p), 0, True) for s, p in prompts.items()]))]
+    for _ in range(steps):
+        rows = [(s, int(batch.num_tokens[s]) - 1, 1, 0, True) for s in prompts]
+        results.append(backend.execute(make_plan(rows)))
+    return results
+
+
+def test_decode_steps_take_the_lean_path_with_the_general_paths_results(
+    backend: TorchBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All-decode plans run ``_execute_decode``; the same steps through the general path give the same tokens,
+    logprobs and batch contents."""
+    lean_calls: list[int] = []
+    lean = TorchBackend._execute_decode
+
+    def counted(self: TorchBackend, *args: object) -> StepResult:
+        lean_calls.append(1)
+        return lean(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TorchBackend, "_execute_decode", counted)
+    runs = []
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(TorchBackend, "_plain_decode", lambda self, plan: False)
+        _new.clear()
+        batch = backend.bind(NUM_SLOTS, MAX_LEN, MAX_SPEC)
+        runs.append((_decode_run(backend, batch, steps=6), batch.token_ids.copy(), batch.num_tokens.copy()))
+    assert len(lean_calls) == 6  # the decode steps of the first run, not its prefill nor the second run
+    (fast, fast_ids, fast_len), (slow, slow_ids, slow_len) = runs
+    np.testing.assert_array_equal(fast_ids, slow_ids)
+    np.testing.assert_array_equal(fast_len, slow_len)
+    for a, b in zip(fast, slow, strict=True):
+        np.testing.assert_array_equal(a.sampled_token_ids, b.sampled_token_ids)
+        np.testing.assert_array_equal(a.num_sampled, b.num_sampled)
+        assert a.logprobs is not None and b.logprobs is not None
+        np.testing.assert_array_equal(a.logprobs.token_ids, b.logprobs.token_ids)
+        np.testing.assert_array_equal(a.logprobs.logprobs, b.logprobs.logprobs)
+        np.testing.assert_array_equal(a.logprobs.ranks, b.logprobs.ranks)
+        assert set(a.timings) == set(b.timings)
+    assert len(set(fast[-1].sampled_token_ids[:, 0].tolist())) > 1  # the rows did sample different tokens
+
+
+def test_greedy_decode_rows_alone_get_no_logprobs(backend: TorchBackend, batch: PersistentBatch) -> None:
+    """The lean path's plain-greedy rows: tokens as transformers' greedy, no logprobs block."""
+    ids = prompt(7, 24)
+    add(batch, 1, ids)
+    out = [int(backend.execute(make_plan([(1, 0, 7, 0, True)])).sampled_token_ids[0, 0])]
+    for step in range(3):
+        result = backend.execute(make_plan([(1, 7 + step, 1, 0, True)]))
+        assert result.logprobs is None and result.sampled_token_ids.shape == (1, 1)
+        out.append(int(result.sampled_token_ids[0, 0]))
+    assert out == ref_greedy(ids, 4)

@@ -225,6 +225,39 @@ def test_metadata_plain_decode_needs_no_gather() -> None:
     assert meta.batched is not None and meta.batched.slot_start == 0 and len(meta.chunks) == 1
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("slots", [[2, 3, 4], [0, 5, 1, 7]])
+def test_metadata_decode_shortcut_is_the_general_build(
+    kernel: bool, slots: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of one token each take ``_decode_rows``; it must make what the general build makes of them, masks
+    (sliding window and full) included, in slot order and out of it."""
+    from nxdserve.engine.models import attention
+
+    kw = {"num_query_groups": 3, "windows": frozenset([None, 4]), "max_len": 32, "device": CPU,
+          "dtype": torch.float32, "attention_kernel": kernel}  # fmt: skip
+    starts = [5, 9, 1, 30][: len(slots)]
+    made = []
+    for shortcut in (True, False):
+        monkeypatch.setattr(attention, "decode_rows_shortcut", shortcut)
+        made.append(AttentionMetadata.build(np.array(slots), np.array(starts), np.ones(len(slots), np.int64), **kw))
+    fast, general = made
+    for name in ("num_tokens", "chunks", "use_kernel", "kernel_count", "max_slot", "max_end", "alts", "lora"):
+        assert getattr(fast, name) == getattr(general, name), name
+    assert fast.kernel_select is None and general.kernel_select is None
+    assert fast.positions.tolist() == general.positions.tolist() == starts
+    assert fast.write_slots.tolist() == general.write_slots.tolist() == slots
+    a, b = fast.batched, general.batched
+    assert a is not None and b is not None
+    for name in ("num_rows", "num_queries", "ctx_len", "slot_start", "query_index", "valid_index", "token_index",
+                 "num_query_groups", "dtype"):  # fmt: skip
+        assert getattr(a, name) == getattr(b, name), name
+    assert a.slots.tolist() == b.slots.tolist() and a.query_pos.tolist() == b.query_pos.tolist()
+    assert a.masks.keys() == b.masks.keys() == (set() if kernel else {None, 4})  # the kernel needs no masks
+    for window in (None, 4):
+        torch.testing.assert_close(a.mask(window), b.mask(window), atol=0, rtol=0)
+
+
 def test_boolean_and_additive_masks_agree() -> None:
     """Callers that build metadata without a dtype get boolean masks; both forms give the same output."""
     path = tiny_model_path("mistral-window")

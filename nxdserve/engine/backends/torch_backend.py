@@ -278,6 +278,8 @@ class TorchBackend(Backend):
             self._place_adapters(plan, batch, self.lora_stack)
         if self.vlm is not None and any(new.mm_inputs is not None for new in plan.new_requests):
             self._encode_images(plan, batch, self.vlm)
+        if self._plain_decode(plan):
+            return self.end_step(plan, self._execute_decode(plan, batch, t0))
         rows = _Rows.from_plan(plan)
         if rows.num_rows == 0:
             return StepResult(np.full((0, 1), -1, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -305,12 +307,7 @@ class TorchBackend(Backend):
             embeds, cos_sin = self.vlm.step_inputs(token_ids, token_slots, token_positions, batch)
 
         t1 = time.perf_counter()
-        governor = self.thread_governor
-        threads = governor.step_threads() if governor.active else self._max_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        self.thread_binding.apply(threads)
-        cpu0 = time.thread_time()
+        cpu0 = self._start_forward()
         limit = max(DEFAULT_BATCHED_QUERY_LIMIT, rows.width)  # verification rows share the batched SDPA
         verify_index, verify_valid = rows.verification_positions()
         sampled_positions = torch.from_numpy(verify_index[verify_valid])
@@ -346,8 +343,7 @@ class TorchBackend(Backend):
         prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if wants_prompt_logprobs else {}
 
         t2 = time.perf_counter()
-        if governor.active:
-            governor.record(t2 - t1, time.thread_time() - cpu0)
+        self._end_forward(t2 - t1, cpu0)
         out_tokens = np.full((rows.num_rows, rows.width), -1, dtype=np.int64)
         num_sampled = np.zeros(rows.num_rows, dtype=np.int64)
         logprobs: LogprobsBlock | None = None
@@ -413,6 +409,63 @@ class TorchBackend(Backend):
             result.token_hidden_states = hidden
             result.token_offsets = rows.offsets
         return self.end_step(plan, result)
+
+    def _start_forward(self) -> float:
+        """Set this step's intra-op threads (the governor's choice) and return the thread's CPU time so far."""
+        governor = self.thread_governor
+        threads = governor.step_threads() if governor.active else self._max_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.thread_binding.apply(threads)
+        return time.thread_time()
+
+    def _end_forward(self, seconds: float, cpu0: float) -> None:
+        """Tell the governor how long the forward took, in wall time and in this thread's CPU."""
+        if self.thread_governor.active:
+            self.thread_governor.record(seconds, time.thread_time() - cpu0)
+
+    def _plain_decode(self, plan: StepPlan) -> bool:
+        """Whether every row runs one token and samples it, with nothing riding along that the general path's
+        extras (drafts, alternatives, adapters, images, hidden states for a drafter, token masks) would handle.
+        Prompt logprobs need no look: a row's one token at its prompt's end predicts no prompt token."""
+        return (
+            plan.draft_alternatives is None
+            and plan.token_mask is None
+            and self.lora_stack is None
+            and self.vlm is None
+            and not self.keep_hidden_states
+            and plan.num_rows > 0
+            and int(plan.num_scheduled.max()) == 1
+            and bool(plan.sample.all())
+        )
+
+    def _execute_decode(self, plan: StepPlan, batch: PersistentBatch, t0: float) -> StepResult:
+        """``execute`` for a plan of plain decode rows (``_plain_decode``): the general path's results, without its
+        row bookkeeping (flat token offsets, verification positions, padding and scattering), which is a tenth of
+        a single-stream CPU step's Python time."""
+        slots, starts = plan.slots, plan.start_pos
+        token_ids = torch.from_numpy(batch.token_ids[slots, starts])
+        t1 = time.perf_counter()
+        cpu0 = self._start_forward()
+        hidden = self.runner.run(token_ids, slots, starts, np.ones_like(slots), on_compute=self.forward_started)
+        tokens = None
+        if self._greedy_from_head and bool(batch.plain_greedy[slots].all()):
+            tokens = self.runner.greedy_tokens(hidden, self.sampler.vocab_size)
+        logits = self.runner.logits(hidden) if tokens is None else None
+        t2 = time.perf_counter()
+        self._end_forward(t2 - t1, cpu0)
+        logprobs = None
+        if logits is not None:
+            out = self.sampler.sample(logits, slots, batch)
+            tokens = out.token_ids
+            logprobs = _with_width(out.logprobs)
+        assert tokens is not None
+        return StepResult(
+            sampled_token_ids=tokens.cpu().numpy().reshape(-1, 1),
+            num_sampled=np.ones(slots.size, dtype=np.int64),
+            logprobs=logprobs,
+            timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2},
+        )
 
     @staticmethod
     def _place_adapters(plan: StepPlan, batch: PersistentBatch, stack: LoraStack) -> None:
