@@ -89,7 +89,8 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_qgemm_args, xs), NXD_FIELD(nxd_qgemm_args, w), NXD_FIELD(nxd_qgemm_args, scale),
     NXD_FIELD(nxd_qgemm_args, offset), NXD_FIELD(nxd_qgemm_args, res), NXD_FIELD(nxd_qgemm_args, rs),
     NXD_FIELD(nxd_qgemm_args, N), NXD_FIELD(nxd_qgemm_args, out), NXD_FIELD(nxd_qgemm_args, os),
-    NXD_FIELD(nxd_qgemm_args, format), NXD_FIELD(nxd_qgemm_args, nthreads),
+    NXD_FIELD(nxd_qgemm_args, format), NXD_FIELD(nxd_qgemm_args, nthreads), NXD_FIELD(nxd_qgemm_args, argmax),
+    NXD_FIELD(nxd_qgemm_args, argmax_cols),
 
     NXD_SIZE(nxd_qdecode_args),
     NXD_FIELD(nxd_qdecode_args, x), NXD_FIELD(nxd_qdecode_args, T), NXD_FIELD(nxd_qdecode_args, lw),

@@ -167,6 +167,10 @@ typedef struct nxd_qgemm_args {
     int64_t os;
     int32_t format;
     int32_t nthreads;
+    /* Optional greedy tokens (NULL: none): argmax[m] = the first column below argmax_cols holding row m's largest
+       output, in argmax_rows' order; the outputs are written as without it. */
+    int64_t* argmax;
+    int64_t argmax_cols;
 } nxd_qgemm_args;
 
 void qgemm_f32(const nxd_qgemm_args* a);

@@ -308,22 +308,30 @@ void qgemm_i8_f32(const nxd_qgemm_args* a) {
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* as qgemm_f32: too small to wake the other threads */
     const int64_t chunk = q_rows_chunk(N, nt);
-    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, chunk)")
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* wr = a->w + n * row_bytes;
-        const float* ws = a->scale + n * nb;
-        for (int64_t m0 = 0; m0 < M; m0 += QI8_T) {
-            const int mt = (int)(M - m0 < QI8_T ? M - m0 : QI8_T);
-            float dot[QI8_T];
-            qi8_rows(fmt, wr, ws, fmt == 0 ? a->offset + n * nb : NULL, xq + m0 * K, xd + m0 * nb, ds + m0 * nb,
-                     nb, mt, dot);
-            for (int m = 0; m < mt; m++) {
-                float v = dot[m];
-                if (a->res) v += a->res[(m0 + m) * a->rs + n];
-                a->out[(m0 + m) * a->os + n] = v;
+    q_best* best = q_best_new(a);
+    _Pragma("omp parallel num_threads(nt)")
+    {
+        q_best* mine = q_best_new(a);
+        _Pragma("omp for schedule(dynamic, chunk)")
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t* wr = a->w + n * row_bytes;
+            const float* ws = a->scale + n * nb;
+            for (int64_t m0 = 0; m0 < M; m0 += QI8_T) {
+                const int mt = (int)(M - m0 < QI8_T ? M - m0 : QI8_T);
+                float dot[QI8_T];
+                qi8_rows(fmt, wr, ws, fmt == 0 ? a->offset + n * nb : NULL, xq + m0 * K, xd + m0 * nb,
+                         ds + m0 * nb, nb, mt, dot);
+                for (int m = 0; m < mt; m++) {
+                    float v = dot[m];
+                    if (a->res) v += a->res[(m0 + m) * a->rs + n];
+                    a->out[(m0 + m) * a->os + n] = v;
+                    q_best_note(a, mine, m0 + m, n, v);
+                }
             }
         }
+        q_best_fold(a, best, mine);
     }
+    q_best_out(a, best);
     free(xq);
     free(xd);
 }

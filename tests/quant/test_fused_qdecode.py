@@ -259,3 +259,54 @@ def test_default_model_greedy_text_is_the_same_with_the_switch_on_and_off() -> N
     assert fused_steps[0] >= 11 and fused_steps[1] == 0
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[0])
+
+
+@pytest.mark.parametrize("head", ["q8_0", "int4", "int8", "fp8"])
+def test_quantized_head_greedy_is_the_argmax_of_its_logits(kernel_path: str, head: str) -> None:
+    """``compute_greedy`` on a quantized LM head (the row kernel's argmax, no logits read back): the index of
+    ``compute_logits``' largest value among the first ``vocab`` columns; None for inputs it cannot take exactly."""
+    model = _model("llama", "int4-g32")
+    dense = model.lm_head_weight
+    makers = {"q8_0": quant.quantize_q8_0, "int4": lambda w: quant.quantize_int4(w, 32), "int8": quant.quantize_int8,
+              "fp8": quant.quantize_fp8}  # fmt: skip
+    model.lm_head_quant = makers[head](dense)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 3, 9):
+        hidden = torch.randn(rows, model.hidden_size, generator=gen)
+        logits = model.compute_logits(hidden)
+        for vocab in (model.vocab_size, model.vocab_size - 7):
+            expected = cpu_kernels.argmax(logits[:, :vocab].contiguous())
+            got = model.compute_greedy(hidden, vocab)
+            assert got is not None and got.tolist() == expected.tolist()
+    assert model.compute_greedy(hidden.to(torch.bfloat16), model.vocab_size) is None  # bf16 logits round first
+
+
+def test_default_model_greedy_text_is_the_same_with_tokens_from_the_head() -> None:
+    """The default model's Q4_1 blocks and Q8_0 head: greedy decode takes its tokens from the head kernel's argmax
+    and gives the text that the sampler's argmax over the logits gives."""
+    from nxdserve.sampling_params import SamplingParams
+    from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
+
+    outputs, head_calls = [], []
+    real_argmax = cpu_kernels.QgemmWeight.argmax
+    for from_head in (True, False):
+        core = make_core(dtype="float32", quantization="gguf", max_model_len=128, max_num_seqs=4)
+        backend: Any = core.backend
+        assert backend._greedy_from_head  # a quantized head on the CPU
+        backend._greedy_from_head = from_head
+        calls: list[int] = []
+
+        def counted(self: cpu_kernels.QgemmWeight, *args: Any, calls: list[int] = calls) -> torch.Tensor:
+            calls.append(1)
+            return real_argmax(self, *args)
+
+        cpu_kernels.QgemmWeight.argmax = counted  # type: ignore[method-assign]
+        try:
+            prompts = tokenize(core, PROMPTS[:3])
+            params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+            outputs.append([list(o.outputs[0].token_ids) for o in run_to_completion(core, prompts, params)])
+        finally:
+            cpu_kernels.QgemmWeight.argmax = real_argmax  # type: ignore[method-assign]
+        head_calls.append(len(calls))
+    assert head_calls[0] >= 9 and head_calls[1] == 0
+    assert outputs[0] == outputs[1]

@@ -319,3 +319,77 @@ def test_a_build_with_other_defines_runs_in_place_of_the_paths_own_and_is_put_ba
         got = kernel(x)
     assert cpu_kernels._library() is own
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "fp8", "bf16"])
+@pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
+def test_argmax_kept_as_rows_are_written_is_argmax_of_the_outputs(
+    kernel_path: str, fmt: str, int8_activations: bool
+) -> None:
+    """``QgemmWeight.argmax``: on 1 and 2 threads, for single rows and the paired rows, the index that
+    ``cpu_kernels.argmax`` finds in the outputs' first ``cols`` columns. Duplicated weight rows tie (the first wins),
+    columns beyond ``cols`` are never picked, a NaN output is above all (its first column wins), -0 equals +0."""
+    n, k = 301, 576
+    gen = torch.Generator().manual_seed(len(fmt) * 7 + int8_activations)
+    if fmt == "q4":
+        codes, scale, offset = _q4_codes(n, k, gen)
+        q = quant.int4_from_codes(codes, scale, offset, 32, k)
+        weight, scales, offsets = q.data, q.scales, q.offsets
+    elif fmt == "bf16":
+        weight, scales, offsets = torch.randn(n, k, generator=gen).to(torch.bfloat16), None, None
+    elif fmt == "q8":
+        weight, offsets = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), None
+        scales = torch.rand(n, k // 32, generator=gen) * 0.01
+    else:
+        weight, offsets = (torch.randn(n, k, generator=gen) * 100).to(torch.float8_e4m3fn), None
+        scales = torch.rand(n, k // 32, generator=gen) * 0.01
+    # Columns 10 and 200: the same weight, aligned with x0's signs at the largest scale, so that for the row x0
+    # they tie as the largest output (the first must win).
+    x0 = torch.randn(k, generator=gen)
+    for col in (10, 200):
+        if fmt == "q4":
+            aligned = torch.where(x0 > 0, 15, 0).to(torch.int32)
+            row = quant.int4_from_codes(aligned[None], scales[:1].clone(), torch.zeros(1, k // 32), 32, k)
+            weight[col], offsets[col] = row.data[0], 0.0
+        elif fmt == "bf16":
+            weight[col] = torch.where(x0 > 0, 3.0, -3.0).to(torch.bfloat16)
+        elif fmt == "q8":
+            weight[col] = torch.where(x0 > 0, 127, -127).to(torch.int8)
+        else:
+            weight[col] = torch.where(x0 > 0, 400.0, -400.0).to(torch.float8_e4m3fn)
+        if scales is not None:
+            scales[col] = scales.max() if fmt != "q4" else scales[0]
+    kernel = cpu_kernels.QgemmWeight(weight, scales, offsets, fmt)
+    saved = torch.get_num_threads()
+    try:
+        with forced_cpu_path(kernel_path):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in (1, 3, 12, 17):
+                    x = torch.randn(rows, k, generator=gen)
+                    x[0] = x0
+                    out = kernel(x, None, int8_activations)
+                    assert out[0, 10] == out[0, 200] == out[0].max()
+                    for cols in (n, 150):
+                        expected = cpu_kernels.argmax(out[:, :cols].contiguous())
+                        got = kernel.argmax(x, cols, int8_activations)
+                        assert got.tolist() == expected.tolist(), (threads, rows, cols)
+                        assert int(got.max()) < cols and int(got[0]) == 10
+            if fmt in ("q8", "fp8") and scales is not None:  # a NaN scale: that column's output is NaN
+                scales[250, 0] = float("nan")
+                scales[260, 0] = float("nan")
+                nan_kernel = cpu_kernels.QgemmWeight(weight, scales, offsets, fmt)
+                x = torch.randn(2, k, generator=gen)
+                assert nan_kernel.argmax(x, n, int8_activations).tolist() == [250, 250]
+                assert nan_kernel.argmax(x, 255, int8_activations).tolist() == [250, 250]
+                assert int(nan_kernel.argmax(x, 250, int8_activations)[0]) < 250
+            finite = None if scales is None else torch.ones_like(scales)
+            zero = cpu_kernels.QgemmWeight(torch.zeros_like(weight), finite, offsets, fmt)
+            x = -torch.ones(1, k)  # every output 0 or -0 (q4's offsets aside): the first column
+            if fmt != "q4":
+                assert zero.argmax(x, n, int8_activations).tolist() == [0]
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(ValueError, match="columns"):
+        kernel.argmax(torch.randn(1, k), n + 1)

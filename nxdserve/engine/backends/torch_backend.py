@@ -146,9 +146,11 @@ class TorchBackend(Backend):
 
             sampler = Sampler(self.model.vocab_size, self.device, seed=config.seed)
         self.sampler = sampler
-        # Only a bf16 head on the CPU can give greedy tokens without logits (greedy_head); elsewhere the
-        # per-step plain-greedy check would be work the sampler does again.
-        self._greedy_from_head = self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        # Only a bf16 head (greedy_head) or a quantized one (its row kernel's argmax) on the CPU can give greedy
+        # tokens without logits; elsewhere the per-step plain-greedy check would be work the sampler does again.
+        self._greedy_from_head = self.device.type == "cpu" and (
+            self.dtype == torch.bfloat16 or self.model.lm_head_quant is not None
+        )
         # Set by proposers that need the target's final hidden states (EAGLE).
         self.keep_hidden_states = False
         self._capabilities = BackendCapabilities(

@@ -259,7 +259,8 @@ class GreedyHeadArgs(ctypes.Structure):
 class QgemmArgs(ctypes.Structure):
     _fields_ = [
         *_fields("x", _p), *_fields("M K xs", _i64), *_fields("w scale offset res", _p), *_fields("rs N", _i64),
-        *_fields("out", _p), *_fields("os", _i64), ("format", _i32), ("nthreads", _i32),
+        *_fields("out", _p), *_fields("os", _i64), ("format", _i32), ("nthreads", _i32), *_fields("argmax", _p),
+        *_fields("argmax_cols", _i64),
     ]  # fmt: skip
 
 
@@ -700,6 +701,25 @@ class QgemmWeight:
         """``x (M, K) @ W^T [+ residual]``: x fp32 (M, K) with contiguous rows, residual fp32 (M, N) likewise.
         ``int8_activations``: x's rows rounded to int8 per 32-block and integer dot products (``qgemm_i8_f32``,
         csrc/qgemm_i8.c; q4 and q8, fp8 stays exact). Callers check ``available()``."""
+        return self._run(x, residual, int8_activations, None)
+
+    def argmax(self, x: torch.Tensor, cols: int, int8_activations: bool = False) -> torch.Tensor:
+        """(M,) int64: ``cpu_kernels.argmax(self(x, None, int8_activations)[:, :cols])``, the same indices, kept as
+        the kernel writes its outputs (``q_best`` in csrc/qgemm.c), so that the logits are never read back: a greedy
+        LM head."""
+        if not 0 < cols <= self.out_features:
+            raise ValueError(f"argmax over {cols} of {self.out_features} columns")
+        tokens = torch.empty(x.shape[0], dtype=torch.long)
+        self._run(x, None, int8_activations, (tokens, cols))
+        return tokens
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        int8_activations: bool,
+        argmax: tuple[torch.Tensor, int] | None,
+    ) -> torch.Tensor:
         lib = _library()
         assert lib is not None and x.dtype == torch.float32 and x.shape[1] == self.in_features and x.stride(1) == 1
         rows = x.shape[0]
@@ -712,6 +732,8 @@ class QgemmWeight:
         else:
             assert residual.dtype == torch.float32 and residual.shape == out.shape and residual.stride(1) == 1
             a.res, a.rs = residual.data_ptr(), residual.stride(0)
+        if argmax is not None:
+            a.argmax, a.argmax_cols = argmax[0].data_ptr(), argmax[1]
         (lib.qgemm_i8_f32 if int8_activations else lib.qgemm_f32)(ctypes.byref(a))
         return out
 

@@ -318,10 +318,11 @@ class LlamaFamilyModel(nn.Module):
 
     @torch.inference_mode()
     def compute_greedy(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
-        """``compute_logits(hidden)[:, :vocab].argmax(-1)``, same indices, without the logits where the CPU
-        screen applies (``greedy_head``); None elsewhere."""
+        """``compute_logits(hidden)[:, :vocab].argmax(-1)``, same indices, without reading logits back: a quantized
+        head's row kernel keeps each row's best as it writes (``QuantLinear.greedy``), a dense one goes through the CPU
+        screen (``greedy_head``); None where neither applies."""
         if self.lm_head_quant is not None:  # the screen reads the dense head, not the quantized one
-            return None
+            return self.lm_head_quant.greedy(hidden, vocab) if hidden.dim() == 2 else None
         return self.greedy_head.argmax(hidden, vocab)
 
     # Per layer, the dense weights a quantized format replaces (HF names of what they fuse in the comments).

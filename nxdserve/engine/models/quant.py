@@ -107,16 +107,30 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` (+ ``residual``, rounded as the eager ``out + residual``) for x (M, K) in fp32 or bf16."""
-        rows = x.shape[0]
-        small = not dense_rows or rows <= dense_rows
-        widened = x.dtype == torch.float32 or self.kind == "bf16"  # calls that never keep a dense copy
-        kernel = self._kernel_args() if (small or widened) and _kernels_take(x) else None
+        kernel, on_rows = self._route(x)
         if kernel is not None:
-            if small or (rows <= KERNEL_ROWS and _paired_rows()):
+            if on_rows:
                 return self._kernel_call(x, kernel, residual)
             return self._widened_call(x, kernel, residual)
         out = self._torch_call(x)
         return out if residual is None else out + residual
+
+    def greedy(self, x: torch.Tensor, cols: int) -> torch.Tensor | None:
+        """(M,) ``self(x)[:, :cols].argmax(-1)``, the same indices, for fp32 ``x`` whose call runs on the row kernel
+        (``QgemmWeight.argmax``: a greedy LM head that never reads its logits back); None elsewhere."""
+        kernel, on_rows = self._route(x)
+        if kernel is None or not on_rows or x.dtype != torch.float32:
+            return None
+        return kernel.argmax(self._kernel_input(x, kernel), cols, int8_activations)
+
+    def _route(self, x: torch.Tensor) -> tuple[Any, bool]:
+        """The kernel a call on ``x`` takes (None: PyTorch's ops), and whether its rows run on it (``_kernel_call``)
+        or on a widened copy of the weight (``_widened_call``)."""
+        rows = x.shape[0]
+        small = not dense_rows or rows <= dense_rows
+        widened = x.dtype == torch.float32 or self.kind == "bf16"  # calls that never keep a dense copy
+        kernel = self._kernel_args() if (small or widened) and _kernels_take(x) else None
+        return kernel, kernel is not None and (small or (rows <= KERNEL_ROWS and _paired_rows()))
 
     def _widened_call(self, x: torch.Tensor, kernel: Any, residual: torch.Tensor | None) -> torch.Tensor:
         """A call of many rows (a prefill chunk, where the dense GEMM's speed pays for widening the weight once per
@@ -160,12 +174,14 @@ class QuantLinear:
             return codes.contiguous(), scales.contiguous(), None, "fp8"
         return codes.view(torch.int8).contiguous(), scales.contiguous(), None, "q8"
 
-    def _kernel_call(self, x: torch.Tensor, kernel: Any, residual: torch.Tensor | None) -> torch.Tensor:
+    def _kernel_input(self, x: torch.Tensor, kernel: Any) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
         if kernel.in_features != self.in_features:  # zero activations against the padding's zero codes
-            xf = F.pad(xf, (0, kernel.in_features - self.in_features))
-        elif xf.stride(-1) != 1:
-            xf = xf.contiguous()
+            return F.pad(xf, (0, kernel.in_features - self.in_features))
+        return xf if xf.stride(-1) == 1 else xf.contiguous()
+
+    def _kernel_call(self, x: torch.Tensor, kernel: Any, residual: torch.Tensor | None) -> torch.Tensor:
+        xf = self._kernel_input(x, kernel)
         fused = residual is not None and residual.dtype == torch.float32 and residual.stride(-1) == 1
         out = kernel(xf, residual if fused else None, int8_activations)
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
