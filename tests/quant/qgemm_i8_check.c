@@ -8,6 +8,8 @@
 
 #include <stdio.h>
 
+#include "greedy_check.h"
+
 static uint64_t rng_state = 88172645463325252ull;
 static uint32_t next_u32(void) {
     rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
@@ -53,20 +55,7 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
     a.format = fmt; a.N = N; a.res = with_residual ? res : NULL; a.rs = N; a.out = out; a.os = N; a.nthreads = 2;
     qgemm_i8_f32(&a);
     double worst = 0.0;
-    /* The greedy tokens kept as the outputs are written: the first largest of each row's first cols outputs. */
-    int64_t* tokens = malloc(sizeof(int64_t) * (size_t)M);
-    const int64_t cols = N > 1 ? N - 1 : N;
-    a.argmax = tokens;
-    a.argmax_cols = cols;
-    qgemm_i8_f32(&a);
-    a.argmax = NULL;
-    for (int64_t m = 0; m < M; m++) {
-        int64_t first = 0;
-        for (int64_t n = 1; n < cols; n++)
-            if (out[m * N + n] > out[m * N + first]) first = n;
-        if (tokens[m] != first) worst = 1e9; /* reported as a mismatch */
-    }
-    free(tokens);
+    if (!greedy_tokens_match(qgemm_i8_f32, &a, out)) worst = 1e9; /* reported as a mismatch */
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
             double ref = with_residual ? res[m * N + n] : 0.0, mag = 1e-6, rounding = 0.0;
