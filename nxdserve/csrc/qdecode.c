@@ -17,11 +17,10 @@
    Then the final RMSNorm in place. Activations and the KV cache are fp32, the weights' codes are widened in
    registers by qgemm.c's row kernels (q_weight_row): the layer path's results to fp32 rounding.
 
-   GEMV rows are shared out in chunks taken as threads free up (dynamic schedule, about Q_SPLITS chunks a thread:
-   q_rows_chunk), the heads one at a time: on a shared machine (other processes, or the server's own event-loop
-   thread) a thread that lost its core for a while leaves its rows to the others instead of holding every phase's
-   barrier. Each row is computed whole by one
-   thread, so the results do not depend on the split. (Static equal shares measured the same on an unshared run.) */
+   GEMV rows are shared out in chunks taken as threads free up (q_chunks' shrinking chunks, dynamic schedule), the
+   heads one at a time: on a shared machine (other processes, or the server's own event-loop thread) a thread that
+   lost its core for a while leaves the later chunks to the others instead of holding every phase's barrier. Each
+   row is computed whole by one thread, so the results do not depend on the split. */
 
 enum {
     QD_IN_NORM, QD_QKV, QD_QKV_SCALE, QD_QKV_OFFSET, QD_QKV_BIAS, QD_O, QD_O_SCALE, QD_O_OFFSET, QD_O_BIAS,
@@ -106,11 +105,13 @@ static inline void qd_rows2(const qd_linear* l, int64_t n0, int64_t n1, const qd
 }
 
 /* out[t * os + n] (= or +=, by add) the linear's row n . x[t] for all N rows, two at a time (qd_rows2), shared
-   out to the team in chunks of `chunk` pairs: an orphaned worksharing loop, called inside the parallel region. */
+   out to the team in the chunks of pairs `bound` cuts (q_chunks): an orphaned worksharing loop, called inside the
+   parallel region. */
 static inline void qd_linear_out(const qd_linear* l, int64_t N, const qd_input* in, int64_t T, float* dot,
-                                 float* wide, float* out, int64_t os, int add, int64_t chunk) {
-    _Pragma("omp for schedule(dynamic, chunk)")
-    for (int64_t n = 0; n < N; n += 2) {
+                                 float* wide, float* out, int64_t os, int add, const int64_t* bound, int chunks) {
+    _Pragma("omp for schedule(dynamic, 1)")
+    for (int c = 0; c < chunks; c++)
+    for (int64_t n = 2 * bound[c]; n < 2 * bound[c + 1] && n < N; n += 2) {
         const int64_t rows = n + 1 < N ? 2 : 1;
         if (rows == 2) qd_rows2(l, n, n + 1, in, T, dot, dot + T, wide);
         else qd_row(l, n, in, T, dot);
@@ -157,7 +158,9 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
     float* attn = (float*)malloc(sizeof(float) * (size_t)(T * QS));
     float* act = (float*)malloc(sizeof(float) * (size_t)(T * I));
     const int nt = a->nthreads < 1 ? 1 : a->nthreads;
-    const int64_t c_qkv = q_rows_chunk(NQKV, nt), c_h = q_rows_chunk(H, nt), c_i = q_rows_chunk(I, nt);
+    int64_t b_qkv[Q_MAX_CHUNKS + 1], b_h[Q_MAX_CHUNKS + 1], b_i[Q_MAX_CHUNKS + 1];
+    const int c_qkv = q_chunks((NQKV + 1) / 2, nt, 1, b_qkv), c_h = q_chunks((H + 1) / 2, nt, 1, b_h);
+    const int c_i = q_chunks(I, nt, 2, b_i);
     _Pragma("omp parallel num_threads(nt)")
     {
         /* Per thread: its copy of the normed rows, their block sums (q4 offsets), attention scores, dot rows. */
@@ -181,7 +184,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             /* 1. input norm, q/k/v */
             qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
             qd_prepare(&in, &wqkv, a->int8_activations, h, H, T);
-            qd_linear_out(&wqkv, NQKV, &in, T, dot, wide, qkv, NQKV, 0, c_qkv / 2);
+            qd_linear_out(&wqkv, NQKV, &in, T, dot, wide, qkv, NQKV, 0, b_qkv, c_qkv);
 
             /* 2. RoPE on q and k heads; K and V into the cache */
             _Pragma("omp for schedule(dynamic, 1)")
@@ -212,13 +215,14 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 4. o-proj and the residual */
             qd_prepare(&in, &wo, a->int8_activations, attn, QS, T);
-            qd_linear_out(&wo, H, &in, T, dot, wide, x, H, 1, c_h / 2);
+            qd_linear_out(&wo, H, &in, T, dot, wide, x, H, 1, b_h, c_h);
 
             /* 5. post-attention norm, gate and up, SiLU(gate) * up */
             qd_rmsnorm(x, (const float*)p[QD_POST_NORM], a->eps, h, T, H);
             qd_prepare(&in, &wgu, a->int8_activations, h, H, T);
-            _Pragma("omp for schedule(dynamic, c_i)")
-            for (int64_t n = 0; n < I; n++) {
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int c = 0; c < c_i; c++)
+            for (int64_t n = b_i[c]; n < b_i[c + 1]; n++) {
                 qd_rows2(&wgu, n, I + n, &in, T, dot, dot + T, wide);
                 for (int64_t t = 0; t < T; t++) {
                     const float g = dot[t];
@@ -228,7 +232,7 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
 
             /* 6. down-proj and the residual */
             qd_prepare(&in, &wdown, a->int8_activations, act, I, T);
-            qd_linear_out(&wdown, H, &in, T, dot, wide, x, H, 1, c_h / 2);
+            qd_linear_out(&wdown, H, &in, T, dot, wide, x, H, 1, b_h, c_h);
         }
         if (a->final_norm) {
             _Pragma("omp for schedule(static)")

@@ -27,18 +27,43 @@
 #endif
 #define Q_PREFETCH(p) __builtin_prefetch((const char*)(p) + QPF)
 
-/* Weight rows per dynamic-schedule chunk of an N-row pass: about Q_SPLITS chunks a thread, a multiple of 16. Chunks
-   of a fixed 16 rows cost a shared-counter update per 16 rows (each bouncing its cache line between the cores) and
-   cut each thread's stream of codes into 4-12 KB pieces: the default model's fused 4-bit forward at one row took
-   10.7-10.9 ms a token with them against 8.6-8.7 with 4 chunks a thread (2-core Xeon, AVX2 build; 1 and 8 chunks
-   8.8-9.1). Several chunks a thread still let a thread that lost its core leave most of its rows to the others. */
-#ifndef Q_SPLITS
-#define Q_SPLITS 4
+/* How a pass over N weight rows (or row pairs) is cut into chunks that threads take as they free up: each chunk is
+   1 / (Q_SHRINK * nt) of the items still left, down to Q_MIN_ITEMS. So the first chunks are long runs of rows (one
+   stream of codes a thread) and the last ones short (the threads finish together), and a thread that lost its
+   core still leaves the later chunks to the others. Measured on a 2-core AMD EPYC (AVX2), the default model's
+   fused forward plus head at one row, medians of interleaved steps (kernel_ab.py), against fixed chunks of about
+   a quarter of a thread's share (Q_SHRINK 0, the schedule before): Q_SHRINK 1 0.93-0.98x (most runs 0.945x; int8
+   activations 0.92x, 32 rows 0.97-0.98x, a third thread busy 15% of the time 0.95x), 2 0.98-0.99x, 4 1.02x;
+   Q_MIN_ITEMS 4-32 the same. More, shorter chunks cost more than the end's imbalance they save: each is a
+   claim on a counter shared by the cores and a new stream of codes whose first lines miss. (On a 2-core Xeon,
+   fixed chunks of 16 rows had taken 1.24x the time of fixed quarter shares.) */
+#ifndef Q_SHRINK
+#define Q_SHRINK 1
 #endif
-static inline int64_t q_rows_chunk(int64_t N, int nt) {
-    int64_t c = (N + (int64_t)nt * Q_SPLITS - 1) / ((int64_t)nt * Q_SPLITS);
-    c = (c + 15) / 16 * 16;
-    return c < 16 ? 16 : c;
+#ifndef Q_MIN_ITEMS
+#define Q_MIN_ITEMS 8
+#endif
+#define Q_MAX_CHUNKS 512
+
+/* bound[0..c] of the c chunks (returned) of n items, each a multiple of unit but the last. The smallest chunk is
+   also n / (Q_MAX_CHUNKS / 2): then at most Q_MAX_CHUNKS / 2 chunks are of that size, and the shrinking ones before
+   them number k ln(Q_MAX_CHUNKS / 2k) for k = Q_SHRINK * nt, at most 95, so the table never fills. */
+static inline int q_chunks(int64_t n, int nt, int64_t unit, int64_t* bound) {
+    const int64_t share = (int64_t)nt * (Q_SHRINK > 0 ? Q_SHRINK : 4);
+    const int64_t fixed = (n + share - 1) / share, spread = (n + Q_MAX_CHUNKS / 2 - 1) / (Q_MAX_CHUNKS / 2);
+    const int64_t least = spread > Q_MIN_ITEMS ? spread : Q_MIN_ITEMS;
+    int c = 0;
+    int64_t at = 0;
+    bound[0] = 0;
+    while (at < n) {
+        int64_t size = Q_SHRINK > 0 ? (n - at + share - 1) / share : fixed;
+        if (size < least) size = least;
+        size = (size + unit - 1) / unit * unit;
+        if (c == Q_MAX_CHUNKS - 1) size = n - at; /* not reached (above); keeps the table's bound regardless */
+        at = at + size < n ? at + size : n;
+        bound[++c] = at;
+    }
+    return c;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -579,18 +604,20 @@ void qgemm_f32(const nxd_qgemm_args* a) {
     if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* waking the other threads would cost more than it saves */
     /* Chunks of weight rows taken as threads free up: on a shared machine a descheduled sibling no longer holds
        half the rows (each row is computed whole by one thread, so the results do not depend on the split). */
-    const int64_t chunk = q_rows_chunk(N, nt);
+    int64_t bound[Q_MAX_CHUNKS + 1];
 #if Q_PAIRS
     if (q_pairs_serve(fmt, M)) {
         const int64_t pairs = (N + 1) / 2;
+        const int chunks = q_chunks(pairs, nt, 1, bound);
         q_best* best = q_best_new(a);
         _Pragma("omp parallel num_threads(nt)")
         {
             q_best* mine = q_best_new(a);
             float* dot = (float*)malloc(sizeof(float) * (size_t)(2 * M));
             float* wide = fmt == 3 ? NULL : (float*)malloc(sizeof(float) * (size_t)(2 * K));
-            _Pragma("omp for schedule(dynamic, chunk / 2)")
-            for (int64_t p = 0; p < pairs; p++) {
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int c = 0; c < chunks; c++)
+            for (int64_t p = bound[c]; p < bound[c + 1]; p++) {
                 const int64_t n = 2 * p, rows = n + 1 < N ? 2 : 1;
                 if (rows == 1) q_weight_row(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, a->x, xs, xsum, M, dot);
                 else q_pair_dots(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, n + 1, a->x, xs, M, dot, dot + M, wide);
@@ -611,14 +638,16 @@ void qgemm_f32(const nxd_qgemm_args* a) {
         return;
     }
 #endif
+    const int chunks = q_chunks(N, nt, 16, bound);
     q_best* best = q_best_new(a);
     _Pragma("omp parallel num_threads(nt)")
     {
         q_best* mine = q_best_new(a);
         float on_stack[64];
         float* dot = M <= 64 ? on_stack : (float*)malloc(sizeof(float) * (size_t)M);
-        _Pragma("omp for schedule(dynamic, chunk)")
-        for (int64_t n = 0; n < N; n++) {
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int c = 0; c < chunks; c++)
+        for (int64_t n = bound[c]; n < bound[c + 1]; n++) {
             q_weight_row(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, a->x, xs, xsum, M, dot);
             for (int64_t m = 0; m < M; m++) {
                 float v = dot[m];

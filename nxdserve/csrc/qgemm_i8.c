@@ -307,13 +307,15 @@ void qgemm_i8_f32(const nxd_qgemm_args* a) {
     qi8_quantize_rows(a->x, M, a->xs, K, xq, xd, ds);
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     if (N * K * (M < 4 ? M : 4) < (1 << 16)) nt = 1; /* as qgemm_f32: too small to wake the other threads */
-    const int64_t chunk = q_rows_chunk(N, nt);
+    int64_t bound[Q_MAX_CHUNKS + 1];
+    const int chunks = q_chunks(N, nt, 16, bound);
     q_best* best = q_best_new(a);
     _Pragma("omp parallel num_threads(nt)")
     {
         q_best* mine = q_best_new(a);
-        _Pragma("omp for schedule(dynamic, chunk)")
-        for (int64_t n = 0; n < N; n++) {
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int c = 0; c < chunks; c++)
+        for (int64_t n = bound[c]; n < bound[c + 1]; n++) {
             const uint8_t* wr = a->w + n * row_bytes;
             const float* ws = a->scale + n * nb;
             for (int64_t m0 = 0; m0 < M; m0 += QI8_T) {

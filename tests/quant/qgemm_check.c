@@ -96,7 +96,28 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
     return worst;
 }
 
+/* q_chunks' cuts: contiguous from 0 to n, each a multiple of unit but the last, at least Q_MIN_ITEMS but the
+   last, no longer than the one before, at most Q_MAX_CHUNKS of them. Returns 0 on a bad cut (and prints it). */
+static int chunks_ok(int64_t n, int nt, int64_t unit) {
+    int64_t bound[Q_MAX_CHUNKS + 1];
+    const int c = q_chunks(n, nt, unit, bound);
+    int good = c >= (n > 0) && c <= Q_MAX_CHUNKS && bound[0] == 0 && bound[c] == n;
+    for (int i = 0; good && i < c; i++) {
+        const int64_t size = bound[i + 1] - bound[i];
+        const int last = i == c - 1;
+        good = size > 0 && (last || (size % unit == 0 && size >= Q_MIN_ITEMS)) &&
+               (i == 0 || size <= bound[i] - bound[i - 1]);
+    }
+    if (!good) printf("bad chunks: n %ld threads %d unit %ld: %d chunks\n", (long)n, nt, (long)unit, c);
+    return good;
+}
+
 int main(void) {
+    static const int64_t chunk_ns[] = {0, 1, 7, 8, 9, 100, 480, 1536, 49152, 1000003, 100000000};
+    for (size_t i = 0; i < sizeof chunk_ns / sizeof *chunk_ns; i++)
+        for (int nt = 1; nt <= 256; nt *= 4)
+            for (int64_t unit = 1; unit <= 16; unit *= 2)
+                if (!chunks_ok(chunk_ns[i], nt, unit)) return 1;
     static const int64_t Ms[] = {1, 2, 3, 7, 8, 9, 12, 17, 40}, Ns[] = {1, 7, 40}, Ks[] = {32, 96, 576};
     int cases = 0;
     for (int fmt = 0; fmt < 4; fmt++)
@@ -112,6 +133,16 @@ int main(void) {
                         return 1;
                     }
                 }
+    /* Rows enough for both threads and several chunks (the cases above run on one thread) */
+    for (int fmt = 0; fmt < 4; fmt++)
+        for (int64_t M = 1; M <= 3; M += 2) {
+            const double worst = run_case(fmt, M, 1000, 576, fmt % 2);
+            cases++;
+            if (!(worst < 1e-5)) {
+                printf("mismatch: format %d M %ld N 1000 K 576: relative error %g\n", fmt, (long)M, worst);
+                return 1;
+            }
+        }
     printf("ok %d cases\n", cases);
     return 0;
 }
