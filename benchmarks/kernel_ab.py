@@ -8,8 +8,8 @@ forward (``csrc/qdecode.c``) at ``--rows`` decode rows at position ``--context``
 blocks). Prints the median ms per step of each build, its ratio to the first (the baseline) and the largest
 difference of its logits from the baseline's (builds that reorder sums differ by fp32 rounding), and writes JSON.
 
-    PYTHONPATH=$PWD python benchmarks/kernel_ab.py --builds base QPF=1024 QPF=1024,Q_SPLITS=8 [--rows 1]
-        [--context 64] [--repeat 250] [--cpu-isa auto] [--json out.json]
+    PYTHONPATH=$PWD python benchmarks/kernel_ab.py --builds base QPF=1024 Q_SHRINK=0,Q_MIN_ITEMS=16 [--rows 1]
+        [--context 64] [--repeat 250] [--cpu-isa auto] [--int8-activations] [--busy 0.1] [--json out.json]
 
 A build is ``base`` (no defines) or a comma-separated list of ``NAME[=VALUE]`` defines.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 
 from nxdserve.cpu_options import CpuOptions, set_openmp_wait_policy
@@ -43,6 +44,16 @@ def defines(build: str) -> list[str]:
     return [f"-D{name}" for name in names]
 
 
+def _busy(share: float) -> None:
+    """Spin for ``share`` of every 10 ms and sleep the rest: a third runnable thread beside the kernels' team."""
+    while True:
+        end = time.perf_counter() + 0.01 * share
+        while time.perf_counter() < end:
+            pass
+        if share < 1.0:
+            time.sleep(0.01 * (1.0 - share))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--builds", nargs="+", default=["base"], help="defines per build; the first is the baseline")
@@ -50,11 +61,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="each row's position (its slot's cached tokens)")
     ap.add_argument("--repeat", type=int, default=250, help="timed steps per build")
     ap.add_argument("--cpu-isa", default="auto")
+    ap.add_argument("--int8-activations", action="store_true", help="as --cpu-quant-int8-activations")
+    ap.add_argument("--busy", type=float, default=0.0,
+                    help="a Python thread busy this share of each 10 ms (a server's event loop, say) meanwhile")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.busy > 0:
+        threading.Thread(target=_busy, args=(min(args.busy, 1.0),), daemon=True).start()
     from nxdserve.model_files import default_gguf_path, resolve_model
 
-    path = cpu_setup.apply(CpuOptions(isa=args.cpu_isa))
+    path = cpu_setup.apply(CpuOptions(isa=args.cpu_isa, quant_int8_activations=args.int8_activations))
     libs = [cpu_kernels.build_running_variant(defines(build)) for build in args.builds]
     max_len = args.context + 8
     model = LlamaFamilyModel.from_pretrained(resolve_model(None), torch.float32, torch.device("cpu"), max_len)
@@ -86,8 +102,10 @@ def main() -> None:
                 times[b].append(elapsed)
     base = statistics.median(times[0])
     results = []
-    print(f"{path}, {torch.get_num_threads()} threads, {args.rows} row(s) at position {args.context}, median of "
-          f"{args.repeat} steps per build, interleaved")  # fmt: skip
+    activations = "int8" if args.int8_activations else "fp32"
+    busy = f", a thread busy {args.busy:.0%} of the time beside them" if args.busy > 0 else ""
+    print(f"{path}, {torch.get_num_threads()} threads{busy}, {args.rows} row(s) at position {args.context}, "
+          f"{activations} activations, median of {args.repeat} steps per build, interleaved")  # fmt: skip
     for build, t, out in zip(args.builds, times, logits, strict=True):
         ms = statistics.median(t)
         diff = float((out - logits[0]).abs().max())
@@ -95,7 +113,8 @@ def main() -> None:
         print(f"  {build:32s} {1e3 * ms:7.2f} ms  {ms / base:6.3f}x  logits max diff {diff:.2e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"path": path, "rows": args.rows, "context": args.context, "results": results}, f, indent=2)
+            json.dump({"path": path, "rows": args.rows, "context": args.context, "activations": activations,
+                       "busy": args.busy, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
