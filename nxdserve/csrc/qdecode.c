@@ -86,6 +86,14 @@ static inline void qd_row(const qd_linear* l, int64_t n, const qd_input* in, int
    qgemm_f32 computes them, so the fused and layer paths agree; else two single rows. wide: 2K floats. */
 static inline void qd_rows2(const qd_linear* l, int64_t n0, int64_t n1, const qd_input* in, int64_t T, float* dot0,
                             float* dot1, float* wide) {
+    if (!in->i8 && q_two_rows_serve(l->fmt, T)) {
+        q_weight_rows2(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n0, n1, in->x, in->xsum, dot0, dot1);
+        if (l->bias) {
+            dot0[0] += l->bias[n0];
+            dot1[0] += l->bias[n1];
+        }
+        return;
+    }
 #if Q_PAIRS
     if (!in->i8 && q_pairs_serve(l->fmt, T)) {
         q_pair_dots(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n0, n1, in->x, in->xs, T, dot0, dot1,

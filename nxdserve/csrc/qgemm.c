@@ -196,6 +196,49 @@ DEFINE_ROW_AVX512(bf16_row, bf16_widen16, 64, 0)
 DEFINE_ROW_AVX2(q4_row, q4_widen, 16, 1)
 DEFINE_ROW_AVX2(q8_row, q8_widen, 32, 1)
 DEFINE_ROW_AVX2(bf16_row, bf16_widen, 64, 0)
+
+/* Two weight rows against one row of x (a decode step of one sequence), each row's sums in exactly the order
+   q4_row / q8_row keep at MT 1, so the results are theirs bit for bit (qgemm_check.c checks it). The default
+   model's rows are short (K 576: 18 blocks), and what each row costs besides its blocks (the call, the tail of its
+   FMA chains, the horizontal sum, the q4 offsets' dot) was about a quarter of a one-row GEMV's time on a 2-core
+   AMD EPYC (AVX2): a 3072 x 576 GEMV with the row costs amortized (K 16384) ran 0.72-0.75x the time a block. Two rows
+   at a time overlap those costs: the 3072 x 576 q4 GEMV 0.75-0.86x the time, hot, one thread; the fused forward
+   plus head at one row 0.913x (benchmarks/kernel_ab.py, Q_TWO_ROWS=0 against the default). */
+#ifndef Q_TWO_ROWS
+#define Q_TWO_ROWS 1
+#endif
+#define DEFINE_TWO_ROWS_AVX2(NAME, WIDEN, BYTES)                                                                \
+static inline void NAME(const uint8_t* w0, const uint8_t* w1, const float* s0, const float* s1, const float* x,   \
+                        int64_t nb, float* out0, float* out1) {                                                  \
+    __m256 e0 = _mm256_setzero_ps(), o0 = e0, e1 = e0, o1 = e0;                                                  \
+    int64_t b = 0;                                                                                               \
+    for (; b + 1 < nb; b += 2) {                                                                                 \
+        Q_PREFETCH(w0 + b * (BYTES));                                                                            \
+        Q_PREFETCH(w1 + b * (BYTES));                                                                            \
+        TWO_ROWS_BLOCK(WIDEN, BYTES, w0, s0, b, e0)                                                              \
+        TWO_ROWS_BLOCK(WIDEN, BYTES, w1, s1, b, e1)                                                              \
+        TWO_ROWS_BLOCK(WIDEN, BYTES, w0, s0, b + 1, o0)                                                          \
+        TWO_ROWS_BLOCK(WIDEN, BYTES, w1, s1, b + 1, o1)                                                          \
+    }                                                                                                            \
+    if (b < nb) {                                                                                                \
+        TWO_ROWS_BLOCK(WIDEN, BYTES, w0, s0, b, e0)                                                              \
+        TWO_ROWS_BLOCK(WIDEN, BYTES, w1, s1, b, e1)                                                              \
+    }                                                                                                            \
+    *out0 = q_hsum(_mm256_add_ps(e0, o0));                                                                       \
+    *out1 = q_hsum(_mm256_add_ps(e1, o1));                                                                       \
+}
+#define TWO_ROWS_BLOCK(WIDEN, BYTES, W, S, B, ACC)                                                              \
+    {                                                                                                            \
+        __m256 q[4];                                                                                             \
+        WIDEN((W) + (B) * (BYTES), q);                                                                           \
+        const float* xb = x + (B) * QB;                                                                          \
+        const __m256 lo = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xb))); \
+        const __m256 hi = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24),                                      \
+                                          _mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16)));                        \
+        ACC = _mm256_fmadd_ps(_mm256_add_ps(lo, hi), _mm256_broadcast_ss((S) + (B)), ACC);                      \
+    }
+DEFINE_TWO_ROWS_AVX2(q4_two_rows, q4_widen, 16)
+DEFINE_TWO_ROWS_AVX2(q8_two_rows, q8_widen, 32)
 #endif
 DEFINE_ROW_AVX2(fp8_block_row, fp8_widen, 32, 1)
 #define FP8_ROW_UNIT (256.f) /* fp8_widen's values are value / 256 */
@@ -368,6 +411,35 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
             for (int m = 0; m < mt; m++) d[m] *= FP8_ROW_UNIT;
         }
     }
+}
+
+#ifndef Q_TWO_ROWS
+#define Q_TWO_ROWS 0
+#endif
+/* Whether q_weight_rows2 takes rows two at a time for this call (else it takes them one by one). */
+static inline int q_two_rows_serve(int fmt, int64_t M) { return Q_TWO_ROWS && M == 1 && (fmt == 0 || fmt == 1); }
+
+/* dot0[0], dot1[0] = weight rows n0 and n1 . x for one row of x (q_two_rows_serve): q_weight_row's results. */
+static inline void q_weight_rows2(int fmt, const uint8_t* w, const float* scale, const float* offset,
+                                  int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
+                                  const float* xsum, float* dot0, float* dot1) {
+#if Q_TWO_ROWS
+    const uint8_t *w0 = w + n0 * row_bytes, *w1 = w + n1 * row_bytes;
+    if (fmt == 0) {
+        q4_two_rows(w0, w1, scale + n0 * nb, scale + n1 * nb, x, nb, dot0, dot1);
+        const float *f0 = offset + n0 * nb, *f1 = offset + n1 * nb;
+        float t0 = 0.f, t1 = 0.f;
+        for (int64_t b = 0; b < nb; b++) t0 += f0[b] * xsum[b];
+        for (int64_t b = 0; b < nb; b++) t1 += f1[b] * xsum[b];
+        *dot0 += t0;
+        *dot1 += t1;
+    } else {
+        q8_two_rows(w0, w1, scale + n0 * nb, scale + n1 * nb, x, nb, dot0, dot1);
+    }
+#else
+    q_weight_row(fmt, w, scale, offset, row_bytes, nb, n0, x, 0, xsum, 1, dot0);
+    q_weight_row(fmt, w, scale, offset, row_bytes, nb, n1, x, 0, xsum, 1, dot1);
+#endif
 }
 
 /* Weight row n of format fmt as fp32 (K values into dst): what the row kernels multiply by, w = code * scale +
@@ -648,6 +720,18 @@ void qgemm_f32(const nxd_qgemm_args* a) {
         _Pragma("omp for schedule(dynamic, 1)")
         for (int c = 0; c < chunks; c++)
         for (int64_t n = bound[c]; n < bound[c + 1]; n++) {
+            if (q_two_rows_serve(fmt, M) && n + 1 < bound[c + 1]) {
+                float d1;
+                q_weight_rows2(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, n + 1, a->x, xsum, dot, &d1);
+                for (int r = 0; r < 2; r++) {
+                    float v = r ? d1 : dot[0];
+                    if (a->res) v += a->res[n + r];
+                    a->out[n + r] = v;
+                    q_best_note(a, mine, 0, n + r, v);
+                }
+                n++;
+                continue;
+            }
             q_weight_row(fmt, a->w, a->scale, a->offset, row_bytes, nb, n, a->x, xs, xsum, M, dot);
             for (int64_t m = 0; m < M; m++) {
                 float v = dot[m];

@@ -96,6 +96,35 @@ static double run_case(int fmt, int64_t M, int64_t N, int64_t K, int with_residu
     return worst;
 }
 
+/* One row of x gives the same outputs bit for bit alone (M = 1: the two-rows kernel where the build has it) as in
+   a call of two rows (M = 2: q_weight_row's tiles), on nt threads; an odd N leaves a last row alone. Returns 0 on
+   a difference (and prints it). */
+static int rows_alone_ok(int fmt, int64_t N, int64_t K, int nt) {
+    const int64_t nb = K / QB, row_bytes = q_row_bytes(fmt, K);
+    uint8_t* w = malloc((size_t)(N * row_bytes));
+    float* scale = malloc(sizeof(float) * (size_t)(N * nb));
+    float* offset = malloc(sizeof(float) * (size_t)(N * nb));
+    float* x = malloc(sizeof(float) * (size_t)(2 * K));
+    float* one = malloc(sizeof(float) * (size_t)N);
+    float* two = malloc(sizeof(float) * (size_t)(2 * N));
+    for (int64_t i = 0; i < N * row_bytes; i++) w[i] = (uint8_t)(next_u32() & (fmt == 2 ? 0x7E : 0xFF));
+    if (fmt == 3)
+        for (int64_t i = 0; i < N * K; i++) ((uint16_t*)w)[i] = (uint16_t)(0x3F00 + (next_u32() & 0xFF));
+    for (int64_t i = 0; i < N * nb; i++) { scale[i] = 0.01f + 0.05f * (uniform() + 1.f); offset[i] = 0.1f * uniform(); }
+    for (int64_t k = 0; k < K; k++) { x[k] = uniform(); x[K + k] = uniform(); }
+    nxd_qgemm_args a = {0};
+    a.x = x; a.K = K; a.xs = K; a.w = w; a.scale = fmt == 3 ? NULL : scale; a.offset = fmt == 0 ? offset : NULL;
+    a.format = fmt; a.N = N; a.os = N; a.nthreads = nt;
+    a.M = 1; a.out = one;
+    qgemm_f32(&a);
+    a.M = 2; a.out = two;
+    qgemm_f32(&a);
+    int good = memcmp(one, two, sizeof(float) * (size_t)N) == 0;
+    if (!good) printf("rows differ alone and in two: format %d N %ld K %ld threads %d\n", fmt, (long)N, (long)K, nt);
+    free(w); free(scale); free(offset); free(x); free(one); free(two);
+    return good;
+}
+
 /* q_chunks' cuts: contiguous from 0 to n, each a multiple of unit but the last, at least Q_MIN_ITEMS but the
    last, no longer than the one before, at most Q_MAX_CHUNKS of them. Returns 0 on a bad cut (and prints it). */
 static int chunks_ok(int64_t n, int nt, int64_t unit) {
@@ -142,6 +171,11 @@ int main(void) {
                 printf("mismatch: format %d M %ld N 1000 K 576: relative error %g\n", fmt, (long)M, worst);
                 return 1;
             }
+        }
+    for (int fmt = 0; fmt < 4; fmt++)
+        for (int nt = 1; nt <= 2; nt++) {
+            if (!rows_alone_ok(fmt, 41, 96, nt) || !rows_alone_ok(fmt, 1001, 576, nt)) return 1;
+            cases += 2;
         }
     printf("ok %d cases\n", cases);
     return 0;
