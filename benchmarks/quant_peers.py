@@ -413,6 +413,7 @@ def format_table(
 TARGETS = (
     ("default single stream >= 2x vLLM", "b", "nx-default", "vllm-bf16", 2.0),
     ("4-bit single stream >= llama.cpp Q4_1", "b", "nx-int4", "llama-q4_1", 1.0),
+    ("4-bit default (exact blocks) single stream >= llama.cpp Q4_1", "b", "nx-default", "llama-q4_1", 1.0),
     ("4-bit default, int8 activations, single stream >= llama.cpp Q4_1", "b", "nx-default-i8", "llama-q4_1", 1.0),
     ("GGUF Q4_1 single stream >= llama.cpp Q4_1", "b", "nx-gguf", "llama-q4_1", 1.0),
     ("GGUF Q4_1 exact (fp32) single stream >= llama.cpp Q4_1", "b", "nx-gguf-fp32", "llama-q4_1", 1.0),
