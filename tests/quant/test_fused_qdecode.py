@@ -146,7 +146,7 @@ def test_fused_step_covers_biases_windows_and_head_shapes(family: str) -> None:
         meta = _meta(model, [0], [0], [1])
         assert not model.fused_quant_decode.accepts(torch.tensor([1]), meta, cache)
         return
-    for step in ("four-slots", "verify"):
+    for step in ("one-row", "four-slots", "verify"):  # one row: the two-rows kernels add the biases themselves
         _assert_same(_run_step(model, True, step), _run_step(model, False, step))
 
 
