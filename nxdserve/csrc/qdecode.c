@@ -86,8 +86,12 @@ static inline void qd_row(const qd_linear* l, int64_t n, const qd_input* in, int
    qgemm_f32 computes them, so the fused and layer paths agree; else two single rows. wide: 2K floats. */
 static inline void qd_rows2(const qd_linear* l, int64_t n0, int64_t n1, const qd_input* in, int64_t T, float* dot0,
                             float* dot1, float* wide) {
-    if (!in->i8 && q_two_rows_serve(l->fmt, T)) {
-        q_weight_rows2(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n0, n1, in->x, in->xsum, dot0, dot1);
+    if (in->i8 ? qi8_two_rows_serve(l->fmt, T) : q_two_rows_serve(l->fmt, T)) {
+        if (in->i8)
+            qi8_two_rows(l->w, l->row_bytes, l->scale, l->offset, n0, n1, in->xq, in->xd, in->xds, l->nb, dot0, dot1);
+        else
+            q_weight_rows2(l->fmt, l->w, l->scale, l->offset, l->row_bytes, l->nb, n0, n1, in->x, in->xsum, dot0,
+                           dot1);
         if (l->bias) {
             dot0[0] += l->bias[n0];
             dot1[0] += l->bias[n1];

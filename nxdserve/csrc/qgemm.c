@@ -197,13 +197,16 @@ DEFINE_ROW_AVX2(q4_row, q4_widen, 16, 1)
 DEFINE_ROW_AVX2(q8_row, q8_widen, 32, 1)
 DEFINE_ROW_AVX2(bf16_row, bf16_widen, 64, 0)
 
-/* Two weight rows against one row of x (a decode step of one sequence), each row's sums in exactly the order
-   q4_row / q8_row keep at MT 1, so the results are theirs bit for bit (qgemm_check.c checks it). The default
-   model's rows are short (K 576: 18 blocks), and what each row costs besides its blocks (the call, the tail of its
-   FMA chains, the horizontal sum, the q4 offsets' dot) was about a quarter of a one-row GEMV's time on a 2-core
-   AMD EPYC (AVX2): a 3072 x 576 GEMV with the row costs amortized (K 16384) ran 0.72-0.75x the time a block. Two rows
-   at a time overlap those costs: the 3072 x 576 q4 GEMV 0.75-0.86x the time, hot, one thread; the fused forward
-   plus head at one row 0.913x (benchmarks/kernel_ab.py, Q_TWO_ROWS=0 against the default). */
+/* Two weight rows against one row of x (a decode step of one sequence). The default model's rows are short (K 576:
+   18 blocks), and what each row costs besides its blocks (the call, the tail of its FMA chains, the horizontal
+   sum, the q4 offsets' dot) was about a quarter of a one-row GEMV's time on a 2-core AMD EPYC (AVX2): with those
+   costs spread over K 16384, a block took 0.72-0.75x the time. Two rows at a time overlap them: the 3072 x 576 q4
+   GEMV 0.75-0.86x the time (in cache, one thread), the fused forward plus head at one row 0.913x
+   (benchmarks/kernel_ab.py, Q_TWO_ROWS=0 against the default).
+   Each row's sums keep the order q4_row / q8_row keep at MT 1, so the results are theirs bit for bit
+   (qgemm_check.c checks it). That rests on the compiler treating the offsets' loop alike at each site, as GCC does
+   here, since the kernels are built with -ffast-math: the int8-activation rows, whose scalar tails it contracts
+   differently from site to site, differ by 1 ulp in about one row in 10^4. */
 #ifndef Q_TWO_ROWS
 #define Q_TWO_ROWS 1
 #endif

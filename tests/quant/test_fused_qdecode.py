@@ -116,16 +116,17 @@ def test_int8_activations_reach_the_fused_step(kernel_path: str, method: str) ->
     """``--cpu-quant-int8-activations`` rounds the fused forward's linear inputs as the layer path's kernel calls
     do (qgemm_i8.c's row kernels): the two paths agree, and both differ from the exact fp32 step."""
     model = _model("llama", method)
-    exact = _run_step(model, True, "four-slots")
-    quant.int8_activations = True
-    try:
-        fused = _run_step(model, True, "four-slots")
-        layered = _run_step(model, False, "four-slots")
-    finally:
-        quant.int8_activations = False
-    _assert_same(fused, layered)
-    assert not torch.equal(fused[1], exact[1])
-    torch.testing.assert_close(fused[1], exact[1], rtol=0.05, atol=float(exact[1].abs().max()) * 0.05)
+    for step in ("one-row", "four-slots"):  # one row: the q4 rows two at a time (AVX2)
+        exact = _run_step(model, True, step)
+        quant.int8_activations = True
+        try:
+            fused = _run_step(model, True, step)
+            layered = _run_step(model, False, step)
+        finally:
+            quant.int8_activations = False
+        _assert_same(fused, layered)
+        assert not torch.equal(fused[1], exact[1])
+        torch.testing.assert_close(fused[1], exact[1], rtol=0.05, atol=float(exact[1].abs().max()) * 0.05)
 
 
 @pytest.mark.parametrize("step", ["four-slots", "verify"])
