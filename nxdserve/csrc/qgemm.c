@@ -210,10 +210,20 @@ DEFINE_ROW_AVX2(bf16_row, bf16_widen, 64, 0)
 #ifndef Q_TWO_ROWS
 #define Q_TWO_ROWS 1
 #endif
+/* ROW_BLOCK_AVX2 itself at MT 1 for each row, so the two rows' arithmetic is the one-row kernel's. */
+#define TWO_ROWS_BLOCK(WIDEN, BYTES, W, S, B, ACC)                                                              \
+    {                                                                                                            \
+        const uint8_t* wr = (W);                                                                                 \
+        const float* block_scale = (S);                                                                          \
+        ROW_BLOCK_AVX2(WIDEN, BYTES, 1, B, ACC)                                                                  \
+    }
 #define DEFINE_TWO_ROWS_AVX2(NAME, WIDEN, BYTES)                                                                \
 static inline void NAME(const uint8_t* w0, const uint8_t* w1, const float* s0, const float* s1, const float* x,   \
                         int64_t nb, float* out0, float* out1) {                                                  \
-    __m256 e0 = _mm256_setzero_ps(), o0 = e0, e1 = e0, o1 = e0;                                                  \
+    enum { MT = 1 };                                                                                             \
+    const int64_t xs = 0;                                                                                        \
+    (void)xs;                                                                                                    \
+    __m256 e0[1] = {_mm256_setzero_ps()}, o0[1] = {e0[0]}, e1[1] = {e0[0]}, o1[1] = {e0[0]};                    \
     int64_t b = 0;                                                                                               \
     for (; b + 1 < nb; b += 2) {                                                                                 \
         Q_PREFETCH(w0 + b * (BYTES));                                                                            \
@@ -227,19 +237,9 @@ static inline void NAME(const uint8_t* w0, const uint8_t* w1, const float* s0, c
         TWO_ROWS_BLOCK(WIDEN, BYTES, w0, s0, b, e0)                                                              \
         TWO_ROWS_BLOCK(WIDEN, BYTES, w1, s1, b, e1)                                                              \
     }                                                                                                            \
-    *out0 = q_hsum(_mm256_add_ps(e0, o0));                                                                       \
-    *out1 = q_hsum(_mm256_add_ps(e1, o1));                                                                       \
+    *out0 = q_hsum(_mm256_add_ps(e0[0], o0[0]));                                                                 \
+    *out1 = q_hsum(_mm256_add_ps(e1[0], o1[0]));                                                                 \
 }
-#define TWO_ROWS_BLOCK(WIDEN, BYTES, W, S, B, ACC)                                                              \
-    {                                                                                                            \
-        __m256 q[4];                                                                                             \
-        WIDEN((W) + (B) * (BYTES), q);                                                                           \
-        const float* xb = x + (B) * QB;                                                                          \
-        const __m256 lo = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xb))); \
-        const __m256 hi = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24),                                      \
-                                          _mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16)));                        \
-        ACC = _mm256_fmadd_ps(_mm256_add_ps(lo, hi), _mm256_broadcast_ss((S) + (B)), ACC);                      \
-    }
 DEFINE_TWO_ROWS_AVX2(q4_two_rows, q4_widen, 16)
 DEFINE_TWO_ROWS_AVX2(q8_two_rows, q8_widen, 32)
 #endif
@@ -384,6 +384,13 @@ static inline void q_block_sums(const float* x, int64_t M, int64_t xs, int64_t n
         }
 }
 
+/* q4's offset term for one weight row (its nb offsets) and one row of x (its blocks' sums). */
+static inline float q4_offset_term(const float* off, const float* xsum, int64_t nb) {
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; b++) s += off[b] * xsum[b];
+    return s;
+}
+
 /* dot[m] (m < M) = weight row n . x[m] for a quantized weight (format fmt, rows of row_bytes codes, nb blocks of
    scales and q4 offsets); xsum: q_block_sums of x (q4 only). Tiles of QT rows of x per pass over the row. Shared
    by qgemm_f32 and the fused quantized forward (qdecode.c). */
@@ -398,13 +405,7 @@ static inline void q_weight_row(int fmt, const uint8_t* w, const float* scale, c
         float* d = dot + m0;
         if (fmt == 0) {
             DISPATCH_MT(q4_row, wr, bs, xt, xs, nb, mt, d);
-            const float* off = offset + n * nb;
-            for (int m = 0; m < mt; m++) {
-                const float* xm = xsum + (m0 + m) * nb;
-                float s = 0.f;
-                for (int64_t b = 0; b < nb; b++) s += off[b] * xm[b];
-                d[m] += s;
-            }
+            for (int m = 0; m < mt; m++) d[m] += q4_offset_term(offset + n * nb, xsum + (m0 + m) * nb, nb);
         } else if (fmt == 1) {
             DISPATCH_MT(q8_row, wr, bs, xt, xs, nb, mt, d);
         } else if (fmt == 3) {
@@ -430,12 +431,8 @@ static inline void q_weight_rows2(int fmt, const uint8_t* w, const float* scale,
     const uint8_t *w0 = w + n0 * row_bytes, *w1 = w + n1 * row_bytes;
     if (fmt == 0) {
         q4_two_rows(w0, w1, scale + n0 * nb, scale + n1 * nb, x, nb, dot0, dot1);
-        const float *f0 = offset + n0 * nb, *f1 = offset + n1 * nb;
-        float t0 = 0.f, t1 = 0.f;
-        for (int64_t b = 0; b < nb; b++) t0 += f0[b] * xsum[b];
-        for (int64_t b = 0; b < nb; b++) t1 += f1[b] * xsum[b];
-        *dot0 += t0;
-        *dot1 += t1;
+        *dot0 += q4_offset_term(offset + n0 * nb, xsum, nb);
+        *dot1 += q4_offset_term(offset + n1 * nb, xsum, nb);
     } else {
         q8_two_rows(w0, w1, scale + n0 * nb, scale + n1 * nb, x, nb, dot0, dot1);
     }

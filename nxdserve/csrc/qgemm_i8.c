@@ -151,22 +151,24 @@ DEFINE_QI8_ROW_AVX2(qi8_q8_row, QI8_LOAD_Q8, qi8_dot_q8, 32, 0)
    about one row in 10^4 of the default model's fused forward came out 1 ulp apart. Measured on a 2-core AMD EPYC
    (AVX2), kernel_ab.py with int8 activations: the fused forward's q4 rows two at a time 0.935-0.949x the step;
    the q8 LM head's rows two at a time 1.04-1.06x (slower), so q8 keeps one row. */
+/* QI8_BLOCK_AVX2 itself at MT 1 for each row, with that row's codes and scale products. */
 #define QI8_TWO_BLOCK(LOAD, DOT, BYTES, W, CS, B, ACC)                                                        \
     {                                                                                                           \
-        const __m256i w = LOAD((W) + (B) * (BYTES));                                                            \
-        const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + (B) * QI8_B));                               \
-        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(w, q)), _mm256_broadcast_ss(&CS[(B) - c0]), ACC);          \
+        const uint8_t* wr = (W);                                                                                \
+        float(*cs)[QI8_CHUNK] = (CS);                                                                           \
+        QI8_BLOCK_AVX2(LOAD, DOT, BYTES, B, ACC)                                                                \
     }
 #define DEFINE_QI8_TWO_ROWS_AVX2(NAME, LOAD, DOT, BYTES, OFF)                                                 \
 static inline void NAME(const uint8_t* w0, const uint8_t* w1, const float* s0, const float* s1, const float* f0, \
                         const float* f1, const int8_t* xq, const float* xd, const float* xds, int64_t nb,       \
                         float* out0, float* out1) {                                                             \
-    __m256 e0 = _mm256_setzero_ps(), o0 = e0, e1 = e0, o1 = e0;                                                 \
-    float so0 = 0.f, so1 = 0.f, cs0[QI8_CHUNK], cs1[QI8_CHUNK];                                                 \
+    enum { MT = 1 };                                                                                            \
+    __m256 e0[1] = {_mm256_setzero_ps()}, o0[1] = {e0[0]}, e1[1] = {e0[0]}, o1[1] = {e0[0]};                   \
+    float so0 = 0.f, so1 = 0.f, cs0[1][QI8_CHUNK], cs1[1][QI8_CHUNK];                                           \
     for (int64_t c0 = 0; c0 < nb; c0 += QI8_CHUNK) {                                                            \
         const int64_t cn = nb - c0 < QI8_CHUNK ? nb - c0 : QI8_CHUNK, end = c0 + cn;                            \
-        so0 += qi8_block_scales(s0 + c0, OFF ? f0 + c0 : NULL, xd + c0, xds + c0, cn, cs0);                     \
-        so1 += qi8_block_scales(s1 + c0, OFF ? f1 + c0 : NULL, xd + c0, xds + c0, cn, cs1);                     \
+        so0 += qi8_block_scales(s0 + c0, OFF ? f0 + c0 : NULL, xd + c0, xds + c0, cn, cs0[0]);                  \
+        so1 += qi8_block_scales(s1 + c0, OFF ? f1 + c0 : NULL, xd + c0, xds + c0, cn, cs1[0]);                  \
         int64_t b = c0;                                                                                         \
         for (; b + 1 < end; b += 2) {                                                                           \
             Q_PREFETCH(w0 + b * (BYTES));                                                                       \
@@ -181,8 +183,8 @@ static inline void NAME(const uint8_t* w0, const uint8_t* w1, const float* s0, c
             QI8_TWO_BLOCK(LOAD, DOT, BYTES, w1, cs1, b, e1)                                                     \
         }                                                                                                       \
     }                                                                                                           \
-    *out0 = q_hsum(_mm256_add_ps(e0, o0)) + so0;                                                                \
-    *out1 = q_hsum(_mm256_add_ps(e1, o1)) + so1;                                                                \
+    *out0 = q_hsum(_mm256_add_ps(e0[0], o0[0])) + so0;                                                          \
+    *out1 = q_hsum(_mm256_add_ps(e1[0], o1[0])) + so1;                                                          \
 }
 DEFINE_QI8_TWO_ROWS_AVX2(qi8_q4_two_rows, QI8_LOAD_Q4, qi8_dot_q4, 16, 1)
 #endif
