@@ -3,13 +3,15 @@ the ``#ifndef`` knobs in ``nxdserve/csrc``) timed call by call on the same model
 build alike. Timing each build in its own process swung 15% between runs on the 2-vCPU EPYC these notes were
 taken on; interleaved here, two identical builds agreed within 1%.
 
-The workload is a decode step's compute for the default model served from its Q4_1 blocks: the fused quantized
-forward (``csrc/qdecode.c``) at ``--rows`` decode rows at position ``--context``, then the LM head (its Q8_0
-blocks). Prints the median ms per step of each build, its ratio to the first (the baseline) and the largest
-difference of its logits from the baseline's (builds that reorder sums differ by fp32 rounding), and writes JSON.
+The workload is a decode step's compute for the default model served from its Q4_1 blocks (``--weights bf16``:
+its fp32 expansion kept in bf16): the fused quantized forward (``csrc/qdecode.c``) at ``--rows`` decode rows at
+position ``--context``, then the LM head (its Q8_0 blocks, or bf16). Prints the median ms per step of each build,
+its ratio to the first (the baseline) and the largest difference of its logits from the baseline's (builds that
+reorder sums differ by fp32 rounding), and writes JSON.
 
     PYTHONPATH=$PWD python benchmarks/kernel_ab.py --builds base QPF=1024 Q_SHRINK=0,Q_MIN_ITEMS=16 [--rows 1]
-        [--context 64] [--repeat 250] [--cpu-isa auto] [--int8-activations] [--busy 0.1] [--json out.json]
+        [--context 64] [--repeat 250] [--cpu-isa auto] [--weights gguf|bf16] [--int8-activations] [--busy 0.1]
+        [--json out.json]
 
 A build is ``base`` (no defines) or a comma-separated list of ``NAME[=VALUE]`` defines.
 """
@@ -62,6 +64,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=250, help="timed steps per build")
     ap.add_argument("--cpu-isa", default="auto")
     ap.add_argument("--int8-activations", action="store_true", help="as --cpu-quant-int8-activations")
+    ap.add_argument("--weights", choices=["gguf", "bf16"], default="gguf",
+                    help="gguf: the file's own Q4_1 / Q8_0 blocks; bf16: its fp32 expansion kept in bf16 (what "
+                    "--dtype auto serves of a dense checkpoint on a CPU without native bf16)")
     ap.add_argument("--busy", type=float, default=0.0,
                     help="a Python thread busy this share of each 10 ms (a server's event loop, say) meanwhile")
     ap.add_argument("--json", default=None)
@@ -74,7 +79,10 @@ def main() -> None:
     libs = [cpu_kernels.build_running_variant(defines(build)) for build in args.builds]
     max_len = args.context + 8
     model = LlamaFamilyModel.from_pretrained(resolve_model(None), torch.float32, torch.device("cpu"), max_len)
-    quant.quantize_model(model, "gguf", default_gguf_path())
+    if args.weights == "gguf":
+        quant.quantize_model(model, "gguf", default_gguf_path())
+    else:
+        model.quantize_linears(lambda _name, weight: quant.store_bf16(weight))
     s = model.spec
     cache = model.new_kv_cache(args.rows, max_len)
     cache.data.normal_()
@@ -105,7 +113,8 @@ def main() -> None:
     activations = "int8" if args.int8_activations else "fp32"
     busy = f", a thread busy {args.busy:.0%} of the time beside them" if args.busy > 0 else ""
     print(f"{path}, {torch.get_num_threads()} threads{busy}, {args.rows} row(s) at position {args.context}, "
-          f"{activations} activations, median of {args.repeat} steps per build, interleaved")  # fmt: skip
+          f"{args.weights} weights, {activations} activations, median of {args.repeat} steps per build, "
+          "interleaved")  # fmt: skip
     for build, t, out in zip(args.builds, times, logits, strict=True):
         ms = statistics.median(t)
         diff = float((out - logits[0]).abs().max())
@@ -114,7 +123,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"path": path, "rows": args.rows, "context": args.context, "activations": activations,
-                       "busy": args.busy, "results": results}, f, indent=2)
+                       "weights": args.weights, "busy": args.busy, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -520,6 +520,17 @@ static inline float32x4_t bf16_load4(const uint16_t* p) { return vreinterpretq_f
 #else
 #define Q_PAIRS 0
 #endif
+/* v kept in a register from here. Each vector here feeds 2 (x) or MT (w) FMAs, and GCC otherwise folds the load
+   into each of them as a memory operand: at 6 rows of x on AVX2, 14 loads a step for 12 FMAs, which bound the
+   loop where 8 loads leave it to the FMAs (Q_X_IN_REG=0 builds leave it to the compiler, for A/B runs). */
+#ifndef Q_X_IN_REG
+#define Q_X_IN_REG 1
+#endif
+#if Q_X_IN_REG && defined(__AVX2__) && !defined(__AVX512F__)
+#define Q_IN_REG(v) __asm__("" : "+v"(v))
+#else /* aarch64's FMAs take no memory operands; the AVX512 builds' loops are unmeasured with it (no machine here) */
+#define Q_IN_REG(v) (void)0
+#endif
 #if Q_PAIRS
 /* d0[m], d1[m] (m < MT) = weight rows w0, w1 (K values of type WT, loaded as fp32 vectors by LOADW) . x[m]. */
 #define DEFINE_PAIR_TILE(NAME, WT, LOADW)                                                                     \
@@ -528,9 +539,12 @@ static inline __attribute__((always_inline)) void NAME(const WT* w0, const WT* w
     Q_VEC a0[Q_MR], a1[Q_MR];                                                                                  \
     for (int m = 0; m < MT; m++) a0[m] = a1[m] = Q_ZERO();                                                     \
     for (int64_t k = 0; k < K; k += Q_STEP) {                                                                  \
-        const Q_VEC v0 = LOADW(w0 + k), v1 = LOADW(w1 + k);                                                    \
+        Q_VEC v0 = LOADW(w0 + k), v1 = LOADW(w1 + k);                                                          \
+        Q_IN_REG(v0);                                                                                          \
+        Q_IN_REG(v1);                                                                                          \
         for (int m = 0; m < MT; m++) {                                                                         \
-            const Q_VEC xv = Q_LOADX(x + m * xs + k);                                                          \
+            Q_VEC xv = Q_LOADX(x + m * xs + k);                                                                \
+            Q_IN_REG(xv);                                                                                      \
             a0[m] = Q_FMA(v0, xv, a0[m]);                                                                      \
             a1[m] = Q_FMA(v1, xv, a1[m]);                                                                      \
         }                                                                                                      \
@@ -576,12 +590,18 @@ DEFINE_PAIR_ROWS(f32_pair_rows, f32_pair_tile, float)
 #endif
 /* Rows of x from which the paired path serves (below it the row kernel's latency-hiding order wins): bf16 from 3;
    the other formats, whose rows are widened once per call, from Q_PAIR_MIN (measured: perf_notes.md, "paired
-   rows"). */
+   rows"). In the AVX2 build, with its loads held in registers (Q_IN_REG), from the first row count the row kernel
+   needs two passes over a weight row for (QT + 1): the default model's fused step at 9-11 rows 0.82-0.84x the row
+   kernel's time, at 6 / 7 / 8 rows 0.87x / 1.05x / 0.99x, at 4 / 5 rows 1.03x / 1.0x (a 2-core AMD EPYC). */
 #ifndef BF16_PAIR_MIN
 #define BF16_PAIR_MIN 3
 #endif
 #ifndef Q_PAIR_MIN
+#if Q_X_IN_REG && defined(__AVX2__) && !defined(__AVX512F__)
+#define Q_PAIR_MIN (QT + 1)
+#else
 #define Q_PAIR_MIN 12
+#endif
 #endif
 
 #if Q_PAIRS

@@ -147,7 +147,7 @@ int main(void) {
         for (int nt = 1; nt <= 256; nt *= 4)
             for (int64_t unit = 1; unit <= 16; unit *= 2)
                 if (!chunks_ok(chunk_ns[i], nt, unit)) return 1;
-    static const int64_t Ms[] = {1, 2, 3, 7, 8, 9, 12, 17, 40}, Ns[] = {1, 7, 40}, Ks[] = {32, 96, 576};
+    static const int64_t Ms[] = {1, 2, 3, 7, 8, 9, 12, 13, 17, 32, 40}, Ns[] = {1, 7, 40}, Ks[] = {32, 96, 576};
     int cases = 0;
     for (int fmt = 0; fmt < 4; fmt++)
         for (size_t i = 0; i < sizeof Ms / sizeof *Ms; i++)

@@ -40,7 +40,8 @@ _WEIGHT_ATTRS = tuple(f"{name}_weight" for name in _LINEARS)
 
 def max_rows() -> int:
     """The most tokens a fused step takes: as many as the QuantLinears run on their codes in fp32 (``dense_rows``,
-    and up to ``quant.KERNEL_ROWS`` where the build has the paired rows, which the forward uses from 12 rows)."""
+    and up to ``quant.KERNEL_ROWS`` where the build has the paired rows, which the forward uses from 9 rows on AVX2,
+    12 elsewhere)."""
     rows = quant.dense_rows or MAX_ROWS_UNBOUNDED
     return max(rows, quant.KERNEL_ROWS) if cpu_kernels.built("qgemm_paired_available") else rows
 
