@@ -50,8 +50,11 @@ def weight_bytes(model: object, rows: int) -> int:
     dense_bytes = 2 if getattr(model, "dtype", None) == torch.bfloat16 else 4  # the dense copies' dtype
 
     kernel_rows = getattr(quant, "KERNEL_ROWS", None)  # None: a tree that kept dense copies of fp32 calls too
-    paired = getattr(quant, "_paired_rows", None)
-    if kernel_rows is not None and paired is not None and not paired():  # portable C: widened above dense_rows
+    build_rows = getattr(quant, "kernel_rows", None)  # the build's paired-rows limit (trees since session 22)
+    paired = getattr(quant, "_paired_rows", None)  # trees before it
+    if build_rows is not None:
+        kernel_rows = build_rows() or limit  # 0: portable C, widened above dense_rows
+    elif kernel_rows is not None and paired is not None and not paired():
         kernel_rows = limit
 
     def size(w: object) -> int:

@@ -38,7 +38,7 @@ class CpuOptions:
     thread_governor: bool = True  # a step on all intra-op threads or one, by the machine's load
     bind_threads: bool = True  # the forward's intra-op threads bound one per CPU
     # Quantized linears: calls of up to this many rows run the C kernel's row path on the codes; more rows of fp32
-    # activations its paired rows (to quant.KERNEL_ROWS) or a transient widened copy, more rows of bf16 activations
+    # activations its paired rows (to quant.kernel_rows()) or a transient widened copy, more rows of bf16 activations
     # a dense bf16 copy kept (0: the kernel for every call, no copy). Default: the measured crossover (perf_notes.md).
     quant_dense_rows: int = 16
     # Quantized linears' small-row kernel: activations rounded to int8 per 32 columns, integer dot products with

@@ -69,13 +69,14 @@ def test_auto_dtype_without_native_bf16_serves_the_bf16_rounded_weights(caplog: 
 
 
 def test_a_prefill_above_the_kernel_rows_gives_the_dense_results() -> None:
-    """Calls of more than KERNEL_ROWS rows widen a transient fp32 copy: the same products to fp32 rounding,
+    """Calls of more than kernel_rows() rows widen a transient fp32 copy: the same products to fp32 rounding,
     and no copy is kept on the weight."""
     torch.manual_seed(0)
     weight = torch.randn(96, 64)
     q = quant.store_bf16(weight)
     dense = weight.bfloat16().float()
-    for rows in (1, 5, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 200):
+    limit = quant.kernel_rows() or quant.KERNEL_ROWS
+    for rows in (1, 5, quant.KERNEL_ROWS, limit, limit + 1, 200):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(q(x), x @ dense.t(), rtol=1e-5, atol=1e-4)
     assert "_cache" not in q.__dict__ or all(key == "kernel" for key in q.__dict__["_cache"])

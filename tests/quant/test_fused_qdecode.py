@@ -151,6 +151,39 @@ def test_fused_step_covers_biases_windows_and_head_shapes(family: str) -> None:
         _assert_same(_run_step(model, True, step), _run_step(model, False, step))
 
 
+@pytest.mark.parametrize("method", ["int4-g32", "bf16"])
+def test_decode_steps_up_to_the_paired_limit_are_fused(kernel_path: str, method: str) -> None:
+    """One-token rows are fused up to ``max_decode_rows()`` (the paired rows' limit: 64 in the AVX2 build), past
+    ``max_rows()``; a prompt chunk of as many tokens keeps the layer path. Fused equals the layer path there."""
+    model = _model("llama", method)
+    n = 40
+    gen = torch.Generator().manual_seed(3)
+    cache = model.new_kv_cache(n, MAX_LEN)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    tokens = torch.randint(0, model.vocab_size, (n,), generator=gen)
+    starts = [(5 + 7 * i) % (MAX_LEN - 1) for i in range(n)]
+    limit = fused_qdecode.max_decode_rows()
+    assert limit == max(fused_qdecode.max_rows(), quant.kernel_rows())
+    if kernel_path == "avx2":
+        assert limit == 64
+    fused = model.fused_quant_decode
+    saved = fused_qdecode.enabled
+    runs = []
+    try:
+        with torch.inference_mode():
+            assert fused.accepts(tokens, _meta(model, list(range(n)), starts, [1] * n), cache) == (n <= limit)
+            assert not fused.accepts(tokens, _meta(model, [0], [0], [n]), cache)  # a 40-token prompt chunk
+            for on in (True, False):
+                fused_qdecode.enabled = on
+                step_cache = model.new_kv_cache(n, MAX_LEN)
+                step_cache.data.copy_(cache.data)
+                hidden = model(tokens, _meta(model, list(range(n)), starts, [1] * n), step_cache)
+                runs.append((hidden, model.compute_logits(hidden), step_cache.data))
+    finally:
+        fused_qdecode.enabled = saved
+    _assert_same(runs[0], runs[1])
+
+
 def test_accepts_falls_back_where_it_does_not_apply() -> None:
     model = _model("llama", "int4-g32")
     cache = model.new_kv_cache(4, MAX_LEN)

@@ -23,7 +23,7 @@ from tests.helpers.cpu_paths import forced_cpu_path
 
 PATHS = cpu_kernels.runnable_paths()
 KERNEL_PATHS = [p for p in PATHS if p != "none"]
-ROWS = (1, 2, 3, 5, 8, 12, 17)  # from 12 (3 for bf16) the paired rows; 17 a partial tile and an odd N
+ROWS = (1, 2, 3, 5, 8, 9, 12, 17)  # paired from 9 (AVX2) or 12 (3 for bf16); 17 a partial tile and an odd N
 WIDTHS = (64, 576, 1536)
 N = 77  # not a multiple of 8 or 16
 
@@ -116,7 +116,7 @@ def test_quant_linear_computes_its_dequantized_weight_on_every_path(path: str, m
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4-g32", "int4-g128"])
 @pytest.mark.parametrize("kernel_path", KERNEL_PATHS)
 def test_fp32_calls_of_any_size_keep_no_dense_copy(kernel_path: str, method: str) -> None:
-    """fp32 activations: above ``dense_rows`` the kernel's paired rows up to KERNEL_ROWS (a transient widened copy
+    """fp32 activations: above ``dense_rows`` the kernel's paired rows up to kernel_rows() (a transient widened copy
     on a build without them), a transient widened copy above it; the same products to fp32 rounding, and only
     the codes' kernel layout stays on the weight."""
     torch.manual_seed(1)
@@ -125,8 +125,12 @@ def test_fp32_calls_of_any_size_keep_no_dense_copy(kernel_path: str, method: str
     try:
         for rows_option in (0, 4):
             cpu_setup.apply(CpuOptions(isa=kernel_path, quant_dense_rows=rows_option))
-            assert cpu_kernels.built("qgemm_paired_available") == (kernel_path != "generic" or _arm())
-            for rows in (3, 12, quant.KERNEL_ROWS, quant.KERNEL_ROWS + 1, 150):
+            paired = kernel_path != "generic" or _arm()
+            assert cpu_kernels.built("qgemm_paired_available") == paired
+            # The AVX2 build takes 64 rows on its paired rows (its loads held in registers), the others 32.
+            limit = quant.kernel_rows()
+            assert limit == (64 if kernel_path == "avx2" else quant.KERNEL_ROWS if paired else 0)
+            for rows in sorted({3, 9, 12, quant.KERNEL_ROWS, limit, limit + 1, 150} - {0, 1}):
                 x = torch.randn(rows, 576)
                 _close(q(x), F.linear(x, dense), x, dense)
         assert set(q.__dict__.get("_cache", {})) <= {"kernel"}

@@ -380,7 +380,7 @@ class _Kernels:
         self.path: str | None = None  # resolved on first use
         self.current: ctypes.CDLL | None = _UNSET  # the library of ``path`` (None: torch ops), once resolved
         self.libs: dict[str, ctypes.CDLL | None] = {}
-        self.parts: dict[str, bool] = {}
+        self.parts: dict[str, int] = {}
         self.extra_flags: list[str] = []  # set_extra_build_flags
 
 
@@ -480,10 +480,15 @@ def available() -> bool:
 def built(probe: str) -> bool:
     """Whether the running library has an optional part: ``probe`` names its C availability function
     (``gemm_available``, ``decode_forward_available``); those parts exist only in AVX512-BF16 builds."""
+    return built_value(probe) != 0
+
+
+def built_value(probe: str) -> int:
+    """What the running library's ``probe`` function returns (0 without a library), asked once per library."""
     part = _state.parts.get(probe)
     if part is None:
         lib = _library()
-        part = _state.parts[probe] = lib is not None and bool(getattr(lib, probe)())
+        part = _state.parts[probe] = 0 if lib is None else int(getattr(lib, probe)())
     return part
 
 

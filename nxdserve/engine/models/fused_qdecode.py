@@ -5,8 +5,8 @@ runs a small step's linears in ``csrc/qgemm.c``; layer by layer that is ~4 ctype
 per layer with Python's norms, RoPE, attention and SiLU in between. ``FusedQuantDecode`` runs all layers in one
 parallel region instead, the same arithmetic (fp32 activations and KV cache, codes widened in registers).
 
-``accepts`` decides per forward; everything else takes the layer path: more tokens than ``max_rows()`` (a step the
-QuantLinears would run on a widened copy), a bf16 model or an fp8 KV cache, draft alternatives, a LoRA
+``accepts`` decides per forward; everything else takes the layer path: more tokens than ``max_rows()`` (more than
+``max_decode_rows()`` for a step of one token per row), a bf16 model or an fp8 KV cache, draft alternatives, a LoRA
 adapter row, q/k norms, activations other than SiLU, any linear that is not a kernel-format QuantLinear (mixed
 dense/quantized stacks, q8_0 groups that are not multiples of 32, padded K), autograd, no C kernels
 (``--cpu-isa none``). ``CpuOptions.fused_quant_decode`` turns it off (A/B measurements).
@@ -44,6 +44,18 @@ def max_rows() -> int:
     12 elsewhere)."""
     rows = quant.dense_rows or MAX_ROWS_UNBOUNDED
     return max(rows, quant.KERNEL_ROWS) if cpu_kernels.built("qgemm_paired_available") else rows
+
+
+def max_decode_rows() -> int:
+    """The most rows a fused step of one token per row (plain decode) takes: up to the paired rows' limit
+    (``quant.kernel_rows()``, 64 in the AVX2 build). A prompt chunk of as many tokens does not: the forward attends
+    its tokens one by one, which at long contexts lost to the layer path's batched attention (64 tokens at position
+    1900: 1.09x the time; 48 decode rows at position 1024: 0.73x the widened copy's, perf_notes.md)."""
+    return max(max_rows(), quant.kernel_rows())
+
+
+def _one_token_rows(meta: AttentionMetadata) -> bool:
+    return not meta.chunks and meta.batched is not None and meta.batched.num_queries == 1
 
 
 class _LayerTable:
@@ -136,7 +148,7 @@ class FusedQuantDecode:
             enabled
             and self.supported_model
             and meta.alts is None
-            and 0 < meta.num_tokens <= max_rows()
+            and 0 < meta.num_tokens <= (max_decode_rows() if _one_token_rows(meta) else max_rows())
             and meta.lora is None
             and meta.use_kernel
             and kv_cache.data.dtype == torch.float32  # fp32 model, no fp8 cache

@@ -9,7 +9,7 @@ Per call the rows decide (``dense_rows``, ``CpuOptions.quant_dense_rows``, measu
 
 - a few rows (decode: bound by the weight's bytes): the C kernel, fp32 activations, the codes widened in
   registers: the dense fp32 expansion's results to fp32 rounding;
-- fp32 activations, more rows (bound by FLOPs): up to ``KERNEL_ROWS`` rows the kernel's paired rows (each weight
+- fp32 activations, more rows (bound by FLOPs): up to ``kernel_rows()`` rows the kernel's paired rows (each weight
   row widened once per call into a thread's buffer, then two rows against many rows of x); a prefill chunk above
   that a transient fp32 copy (``QgemmWeight.to_f32``) and the dense GEMM. Nothing is kept: the weights' memory
   is the codes'.
@@ -52,10 +52,11 @@ dense_rows = DENSE_ROWS
 # The small-row kernel rounds the activations to int8 per 32-block and takes integer dot products (q4 and int8
 # codes; csrc/qgemm_i8.c). Off by default: it changes results. Set from CpuOptions.quant_int8_activations.
 int8_activations = False
-# Calls in fp32 (and bf16 weights' calls) of up to this many rows run the kernel (paired rows above a few), more a
-# transient fp32 copy and the dense GEMM. Measured with the AVX2 build against MKL held to AVX2 (perf_notes.md,
-# "bf16 weights", "paired rows"): the bf16 kernel 0.9-1.17x sgemm's time at 32 rows, 1.2-1.6x at 64, where
-# widening per call costs ~1.15x.
+# Calls in fp32 (and bf16 weights' calls) of up to kernel_rows() rows run the kernel (paired rows above a few), more
+# a transient fp32 copy and the dense GEMM. The build says how many (csrc/qgemm.c, Q_PAIR_MAX): 64 in the AVX2 build
+# since its paired rows hold their loads in registers (perf_notes.md, "Loads held in registers"), KERNEL_ROWS in the
+# others, as measured before that (perf_notes.md, "bf16 weights", "paired rows": the bf16 kernel 0.9-1.17x sgemm's
+# time at 32 rows, 1.2-1.6x at 64, where widening per call costs ~1.15x).
 KERNEL_ROWS = 32
 
 
@@ -130,7 +131,7 @@ class QuantLinear:
         small = not dense_rows or rows <= dense_rows
         widened = x.dtype == torch.float32 or self.kind == "bf16"  # calls that never keep a dense copy
         kernel = self._kernel_args() if (small or widened) and _kernels_take(x) else None
-        return kernel, kernel is not None and (small or (rows <= KERNEL_ROWS and _paired_rows()))
+        return kernel, kernel is not None and (small or rows <= kernel_rows())
 
     def _widened_call(self, x: torch.Tensor, kernel: Any, residual: torch.Tensor | None) -> torch.Tensor:
         """A call of many rows (a prefill chunk, where the dense GEMM's speed pays for widening the weight once per
@@ -281,12 +282,13 @@ def _kernels_on() -> bool:
     return cpu_kernels.available()
 
 
-def _paired_rows() -> bool:
-    """Whether the running kernel build has the paired rows (not the portable C one): without them a call of more
-    than ``dense_rows`` rows is faster on a transient widened copy than on the row kernel."""
+def kernel_rows() -> int:
+    """The most rows of an fp32 call the running kernel build takes on its paired rows; 0 where it has none (the
+    portable C build: there a call of more than ``dense_rows`` rows is faster on a transient widened copy than on
+    the row kernel)."""
     from nxdserve.engine.models import cpu_kernels
 
-    return cpu_kernels.built("qgemm_paired_available")
+    return cpu_kernels.built_value("qgemm_paired_max_rows")
 
 
 def _kernels_take(x: torch.Tensor) -> bool:
@@ -489,7 +491,7 @@ METHODS: dict[str, tuple[str, int]] = {
 def store_bf16(weight: torch.Tensor) -> QuantLinear:
     """A dense (N, K) weight kept in bfloat16 and multiplied in fp32 (``CpuOptions.bf16_weights``): a CPU without
     native bf16 arithmetic reads half of fp32's bytes a decode step through the kernel's bf16 rows, which widen
-    each value by a shift; calls above ``KERNEL_ROWS`` rows widen a transient fp32 copy."""
+    each value by a shift; calls above ``kernel_rows()`` rows widen a transient fp32 copy."""
     n, k = weight.shape
     return QuantLinear("bf16", n, k, weight.detach().to(torch.bfloat16).contiguous(), torch.empty(0))
 
