@@ -17,7 +17,7 @@ from nxdserve.sampling_params import SamplingParams
 from nxdserve.tools import ToolParser, get_tool_parser
 from nxdserve.tools.parsers import NamedToolCallParser, RequiredToolCallsParser
 from nxdserve.tools.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
-from nxdserve.tools.streaming import ToolCallStreamer
+from nxdserve.tools.streaming import ToolCallStreamer, read_whole
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -125,14 +125,14 @@ class ChatOutputPlan:
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.split(text, final=True)
         if self.tool_parser is None:
             return content, reasoning, []
-        parsed = self.tool_parser.parse(content or "", final=True)
-        calls = parsed.calls if self.parallel_tool_calls else parsed.calls[:1]
-        tool_calls = [{"id": self.tool_parser.new_call_id(), "type": "function",
-                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        return parsed.content if tool_calls else content, reasoning, tool_calls
+        # Read as a stream reads it, so that the streamed choice assembles to this one
+        call_content, tool_calls = read_whole(self.tool_parser, content or "")
+        tool_calls = tool_calls if self.parallel_tool_calls else tool_calls[:1]
+        return (call_content or None) if tool_calls else content, reasoning, tool_calls
 
     def finish_reason(self, engine_reason: str | None, called: bool) -> str | None:
-        if called and self.mode in ("auto", "required") and engine_reason in ("stop", None):
+        """The choice's reason once it has finished (None on the chunks before its last)."""
+        if called and self.mode in ("auto", "required") and engine_reason == "stop":
             return "tool_calls"
         return engine_reason
 

@@ -3,7 +3,9 @@
 A parser reads the whole generated text so far and says which part is content and which calls it holds. With
 ``final=False`` (streaming) the text may stop anywhere: a call may be partial (its arguments a prefix of their final
 text, which only grows), and text that might be the start of a tool-call marker is held back from the content.
-With ``final=True``, a malformed call makes the whole text content and no call (vLLM's behaviour).
+With ``final=True``, a malformed call makes the whole text content (vLLM's behaviour); the complete calls before it
+stand, since a stream has sent them by then (``_guarded`` in parsers.py), so a streamed choice and a non-streamed
+one read the same.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class MalformedToolCall(ValueError):
 class ParsedCall:
     name: str
     arguments: str  # JSON text of an object; a prefix of it while ``complete`` is False
+    # The call's own text has ended (its object closed): more text cannot change or invalidate it
     complete: bool = True
 
 
@@ -34,12 +37,28 @@ class ParsedCall:
 class ParsedOutput:
     content: str | None
     calls: list[ParsedCall] = field(default_factory=list)
+    # A malformed call ended the reading (final: ``content`` is then the whole text, beside the calls before it)
+    malformed: bool = False
+
+
+def complete_prefix(calls: list[ParsedCall]) -> list[ParsedCall]:
+    """The calls up to the first one still open."""
+    out: list[ParsedCall] = []
+    for call in calls:
+        if not call.complete:
+            break
+        out.append(call)
+    return out
 
 
 class ToolParser:
     name: ClassVar[str] = ""
     # Its markers are special tokens, which the detokenizer must keep (vLLM's adjust_request).
     needs_special_tokens: ClassVar[bool] = False
+    # A stream may send a call's arguments as they grow: no later text can make the call malformed (a grammar
+    # writes it). Otherwise each call goes out whole once complete, so a stream never sends what the final
+    # reading would not return.
+    streams_arguments: ClassVar[bool] = False
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError
@@ -90,7 +109,7 @@ def call_from_object(text: str, start: int, final: bool, arg_keys: tuple[str, ..
         members, end = scan_object(text, start)
     except MalformedJSON as exc:
         raise MalformedToolCall(str(exc)) from exc
-    if final:
+    if final or end is not None:  # a closed call is read in full, so it is complete only if it is well-formed
         if end is None:
             raise MalformedToolCall("unterminated tool call")
         try:
@@ -114,11 +133,11 @@ def call_from_object(text: str, start: int, final: bool, arg_keys: tuple[str, ..
         raise MalformedToolCall("a tool call name must be a string")
     key = next((k for k in arg_keys if k in members), None)
     if key is None:
-        return ParsedCall(name, "{}" if end is not None else "", complete=end is not None), end
+        return ParsedCall(name, "", complete=False), end
     a, b = members[key]
     if a >= len(text) or text[a] != "{":
         return ParsedCall(name, "", complete=False), end
-    return ParsedCall(name, text[a:b] if b is not None else text[a:], complete=b is not None), end
+    return ParsedCall(name, text[a:b] if b is not None else text[a:], complete=False), end
 
 
 def mistral_call_id() -> str:

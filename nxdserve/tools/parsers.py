@@ -13,6 +13,7 @@ from nxdserve.tools.base import (
     ParsedOutput,
     ToolParser,
     call_from_object,
+    complete_prefix,
     held_back,
     mistral_call_id,
     register_tool_parser,
@@ -21,13 +22,16 @@ from nxdserve.tools.jsonscan import skip_ws
 
 
 def _guarded(parse: Any, text: str, final: bool) -> ParsedOutput:
-    """A final parse that meets a malformed call gives the whole text as content and no calls."""
+    """``parse(text, final, calls)``, where ``calls`` collects the calls in order as they are read. A malformed call
+    ends the reading: the complete calls before it stand (a stream has already sent them: ``ToolCallStreamer``),
+    and a final parse makes the whole text content (vLLM's rule, so that nothing the model wrote is lost)."""
+    calls: list[ParsedCall] = []
     try:
-        return parse(text, final)
+        return parse(text, final, calls)
     except MalformedToolCall:
-        if final:
-            return ParsedOutput(text, [])
-        return ParsedOutput(None, [])  # streaming: hold everything until the end decides
+        if final:  # the calls a stream sends are those of the partial reading, so take them from it
+            return ParsedOutput(text, complete_prefix(_guarded(parse, text, False).calls), malformed=True)
+        return ParsedOutput(None, complete_prefix(calls))  # hold the text until the end decides
 
 
 @register_tool_parser("hermes")
@@ -41,11 +45,10 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
         first = text.find(self.START)
         if first < 0:
             return ParsedOutput(text if final else text[: len(text) - held_back(text, self.START)])
-        calls: list[ParsedCall] = []
         pos = first
         while pos >= 0:
             body_start = pos + len(self.START)
@@ -77,7 +80,7 @@ class Llama3JsonToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
         body = text.lstrip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG):]
@@ -88,7 +91,6 @@ class Llama3JsonToolParser(ToolParser):
             return ParsedOutput(text if final and text.strip() else None)
         if body[i] != "{":
             return ParsedOutput(text)
-        calls: list[ParsedCall] = []
         while i < len(body):
             call, end = call_from_object(body, i, final=final)
             if call is not None:
@@ -117,7 +119,7 @@ class MistralToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
         first = text.find(self.MARKER)
         if first < 0:
             return ParsedOutput(text if final else text[: len(text) - held_back(text, self.MARKER)])
@@ -125,9 +127,9 @@ class MistralToolParser(ToolParser):
         rest = text[first + len(self.MARKER):]
         i = skip_ws(rest, 0)
         if i < len(rest) and rest[i] == "[":
-            return ParsedOutput(content, self._json_list(rest, i + 1, final))
-        calls: list[ParsedCall] = []
-        for segment in rest.split(self.MARKER):
+            return ParsedOutput(content, self._json_list(rest, i + 1, final, calls))
+        segments = rest.split(self.MARKER)
+        for k, segment in enumerate(segments):
             name, sep, args = segment.partition(self.ARGS)
             if not sep:
                 if final:
@@ -139,14 +141,14 @@ class MistralToolParser(ToolParser):
                     raise MalformedToolCall("empty arguments")
                 break
             wrapped = '{"name": ' + json.dumps(name.strip()) + ', "arguments": '
-            call, _ = call_from_object(wrapped + args[j:] + ("}" if final else ""), 0, final=final)
+            closed = final or k < len(segments) - 1  # a later marker ends this call
+            call, _ = call_from_object(wrapped + args[j:] + ("}" if closed else ""), 0, final=final)
             if call is not None:
                 calls.append(call)
         return ParsedOutput(content, calls)
 
     @staticmethod
-    def _json_list(text: str, i: int, final: bool) -> list[ParsedCall]:
-        calls: list[ParsedCall] = []
+    def _json_list(text: str, i: int, final: bool, calls: list[ParsedCall]) -> list[ParsedCall]:
         while True:
             i = skip_ws(text, i)
             if i >= len(text):
@@ -176,7 +178,7 @@ class PythonicToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
         body = text.strip()
         if not body:
             return ParsedOutput(text if final and text else None)
@@ -190,7 +192,9 @@ class PythonicToolParser(ToolParser):
             if not isinstance(tree, ast.List):
                 raise MalformedToolCall("not a list of calls")
             return ParsedOutput(None, [_pythonic_call(node) for node in tree.elts])
-        return ParsedOutput(None, [_pythonic_call(ast.parse(s, mode="eval").body) for s in _complete_calls(body)])
+        for source in _complete_calls(body):
+            calls.append(_pythonic_call(ast.parse(source, mode="eval").body))
+        return ParsedOutput(None, calls)
 
 
 def _pythonic_call(node: ast.expr) -> ParsedCall:
@@ -233,7 +237,7 @@ class RequiredToolCallsParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
         i = skip_ws(text, 0)
         if i >= len(text):
             if final:
@@ -241,11 +245,14 @@ class RequiredToolCallsParser(ToolParser):
             return ParsedOutput(None)
         if text[i] != "[":
             raise MalformedToolCall("expected a list of tool calls")
-        return ParsedOutput(None, MistralToolParser._json_list(text, i + 1, final))
+        return ParsedOutput(None, MistralToolParser._json_list(text, i + 1, final, calls))
 
 
 class NamedToolCallParser(ToolParser):
-    """A named ``tool_choice``: the grammar makes the whole output the function's arguments."""
+    """A named ``tool_choice``: the grammar makes the whole output the function's arguments (a length cut leaves
+    them partial, streamed or not)."""
+
+    streams_arguments = True
 
     def __init__(self, function_name: str) -> None:
         self.function_name = function_name

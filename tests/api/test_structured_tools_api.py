@@ -134,6 +134,7 @@ async def _stream_calls(client: AsyncOpenAI, **kw: Any) -> tuple[list[dict[str, 
     calls: list[dict[str, str]] = []
     finish, content = None, ""
     async for chunk in stream:
+        assert finish is None, "a chunk after the one with finish_reason"  # it marks the choice's last chunk
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for tc in delta.tool_calls or []:
@@ -163,6 +164,25 @@ async def test_required_tool_choice_streaming_and_not(client: AsyncOpenAI) -> No
         (c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
     one = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, parallel_tool_calls=False, **kw)
     assert len(one.choices[0].message.tool_calls or []) == 1
+
+
+async def test_sdk_stream_helper_parses_the_streamed_call(client: AsyncOpenAI) -> None:
+    """The SDK's ``chat.completions.stream`` parses a call's arguments when it meets the finish_reason: they must
+    be whole by then (a pydantic tool, strict schema)."""
+    from pydantic import BaseModel
+
+    class GetTime(BaseModel):
+        zone: str
+
+    async with client.chat.completions.stream(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=40, temperature=0.0, parallel_tool_calls=False,
+            tools=[openai.pydantic_function_tool(GetTime)], tool_choice="required") as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls or []
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert isinstance(call.function.parsed_arguments, GetTime)  # type: ignore[union-attr]
 
 
 async def test_auto_tool_choice_reads_hermes_calls(client: AsyncOpenAI) -> None:
