@@ -16,6 +16,7 @@ from nxdserve.api.protocol import (
 )
 from nxdserve.api.structured import structured_outputs_of
 from nxdserve.engine.choices import MAX_CHOICES
+from nxdserve.errors import InvalidRequestError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from nxdserve.tools.flags import check_chat_template_flags
 
@@ -77,12 +78,27 @@ def check_common(req: SamplingRequest) -> None:
         allowed = NO_OP_FIELDS[name]
         if allowed is not None and value not in allowed:
             raise APIError(f"{name} = {value!r} is not supported by this server.", param=name)
+    _refuse_nested_extras(req)
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.use_beam_search:
         raise APIError("Beam search is not supported.", param="use_beam_search")
     if req.n < 1:
         raise APIError(f"n must be at least 1, got {req.n}.", param="n")
+
+
+def _refuse_nested_extras(req: SamplingRequest) -> None:
+    """Unknown keys inside response_format (and its json_schema) and stream_options: a 400 naming them, as OpenAI
+    gives, rather than a constraint silently looser than asked (a misplaced ``schema`` would be dropped)."""
+    fmt = req.response_format
+    nested: list[tuple[str, str, OpenAIModel | None]] = [
+        ("response_format", "response_format", fmt),
+        ("response_format", "response_format.json_schema", fmt.json_schema if fmt is not None else None),
+        ("stream_options", "stream_options", req.stream_options),
+    ]
+    for param, path, model in nested:
+        for name in (model.model_extra or {}) if model is not None else {}:
+            raise APIError(f"Unrecognized request argument supplied: {path}.{name}", param=param)
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -197,13 +213,29 @@ def build_sampling_params(
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         output_kind=OutputKind.DELTA,  # the API layer gathers and streams deltas
     )
-    params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
+    try:
+        params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
+    except InvalidRequestError as exc:
+        field = _request_field(req, exc.param)
+        if field is not None and exc.param is not None and field != exc.param:
+            raise InvalidRequestError(exc.message.replace(exc.param, field, 1), param=field) from None
+        raise
     return params
+
+
+def _request_field(req: CompletionRequest | ChatCompletionRequest, param: str | None) -> str | None:
+    """The request's own name for a SamplingParams field an error names (chat's top_logprobs is logprobs there)."""
+    if isinstance(req, ChatCompletionRequest):
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and req.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return param
 
 
 def check_fan_out(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES:
         raise APIError(
             f"A request may ask for at most {MAX_CHOICES} choices (prompts x n); got {num_prompts} x {n}.",
-            param="n",
+            param="n" if n > 1 else "prompt",
         )

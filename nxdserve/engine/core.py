@@ -247,6 +247,12 @@ class EngineCore:
         if params.structured_outputs is not None:  # cached when AsyncEngine.prepare compiled it off the loop
             self.structured.compiler.compile(params.structured_outputs)
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens; -1: max_model_len
+            if params.truncate_prompt_tokens > self.max_model_len:
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens value ({params.truncate_prompt_tokens}) is greater than max_model_len "
+                    f"({self.max_model_len}). Please, select a smaller truncation size.",
+                    param="truncate_prompt_tokens",
+                )
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             prompt_token_ids = prompt_token_ids[len(prompt_token_ids) - keep:] if keep else []
         if not prompt_token_ids:

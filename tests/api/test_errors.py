@@ -95,6 +95,30 @@ async def test_chat_validation_400(http: httpx.AsyncClient, overrides: dict[str,
     check_envelope(await http.post("/v1/chat/completions", json=body), 400, message)
 
 
+# (endpoint, body overrides, the field the error names): the field the client sent, nested keys included
+PARAM_400 = [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object", "schema": {"type": "integer"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "bogus": 1}}}, "response_format"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options"),
+    ("/v1/chat/completions", {"structured_outputs": {"choice": "yes"}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"json_object": "false"}}, "structured_outputs"),
+    ("/v1/completions", {"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": ["a"] * 300}, "prompt"),  # more prompts than choices a request may ask for
+]
+
+
+@pytest.mark.parametrize(("path", "overrides", "param"), PARAM_400)
+async def test_the_error_names_the_field_sent(http: httpx.AsyncClient, path: str, overrides: dict[str, Any],
+                                              param: str) -> None:
+    base = OK if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    err = check_envelope(await http.post(path, json={**base, **overrides}), 400)
+    assert err["param"] == param, err
+
+
 async def test_malformed_and_non_json_bodies(http: httpx.AsyncClient) -> None:
     bad_json = await http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
     check_envelope(bad_json, 400, "not valid JSON")

@@ -101,6 +101,11 @@ async def test_store_false_is_not_kept(client: AsyncOpenAI) -> None:
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),
+        # errors from the chat request it is mapped onto name this endpoint's fields
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "bogus": 1}}},
+         "text"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"frobnicate": 1}, "frobnicate"),
     ],
 )

@@ -81,6 +81,37 @@ def test_bad_spec_is_a_typed_error_naming_the_field(spec: dict[str, str], fragme
     assert out[0].outputs[0].text == "ok"
 
 
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"choice": "yes"}, "choice"),  # a string is not three one-letter choices
+    ({"json_object": "false"}, "json_object"),
+    ({"json": {"type": "object"}, "disable_any_whitespace": "false"}, "disable_any_whitespace"),
+    ({"regex": 123}, "regex"),
+    ({"choice": ["a"], "whitespace_pattern": 5}, "whitespace_pattern"),
+    ({"grammar": ["root ::= x"]}, "grammar"),
+])
+def test_a_field_of_the_wrong_type_is_an_error_naming_it(spec: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        StructuredOutputsParams(**spec, param="structured_outputs")  # type: ignore[arg-type]
+    assert info.value.param == "structured_outputs" and field in info.value.message
+
+
+@pytest.mark.parametrize(("pattern", "accepted", "refused"), [
+    (r"\d{3}", ["123"], ["\u0663\u0663\u0663", "\U0001fbf8\U0001fbf8\U0001fbf8"]),  # Arabic-Indic, segmented
+    (r"[x\d]{2}\w", ["x1_", "12a"], ["x1\u00e9", "\u0663x_"]),
+    (r"\D\W", ["a-", "a\u00e9"], ["1-", "a_"]),  # \u00e9 is not a word character in ASCII's classes
+    (r"\\d", ["\\d"], ["1"]),  # an escaped backslash, then a literal d
+])
+def test_regex_classes_are_ascii_as_in_ecmascript(pattern: str, accepted: list[str], refused: list[str]) -> None:
+    """``\\d`` and ``\\w`` mean [0-9] and [0-9A-Za-z_] (ECMAScript, JSON Schema, xgrammar), not Unicode's classes."""
+    core = shared_core()
+    compiler = core.structured.compiler
+    tokenizer = compiler._hf_tokenizer
+    for text, ok in [(t, True) for t in accepted] + [(t, False) for t in refused]:
+        matcher = compiler.new_matcher(StructuredOutputsParams(regex=pattern))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (matcher.validate_tokens(ids) == len(ids)) == ok, (pattern, text)
+
+
 def test_spec_needs_exactly_one_kind() -> None:
     with pytest.raises(InvalidRequestError) as info:
         StructuredOutputsParams(regex="a", choice=["a"], param="structured_outputs")

@@ -54,7 +54,13 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
         response_format=chat_response_format(req.text),  # type: ignore[arg-type]
     )
     engine = state.engine
-    plan, prompt, params = await plan_chat_generation(engine, chat, state.max_logprobs)
+    try:
+        plan, prompt, params = await plan_chat_generation(engine, chat, state.max_logprobs)
+    except Exception as exc:  # errors name this endpoint's fields, not the chat request's it was mapped onto
+        error = from_exception(exc)
+        if error.param in _CHAT_TO_RESPONSES:
+            raise APIError(error.message, status=error.status, param=_CHAT_TO_RESPONSES[error.param]) from exc
+        raise
     response_id = f"resp_{base_request_id(request)}"
     (request_id,) = engine_request_ids(request, response_id, 1)
     state.log_request(response_id, [prompt], params)
@@ -77,6 +83,11 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
     view = _ResponsesView(state, skeleton, turn, plan)
     call = EngineCall(prompt, params, request_id, False, state.lora_for(model), priority=req.priority)
     return await respond(request, engine, [call], view, bool(req.stream))
+
+
+# Chat's field -> the Responses field it was made from (handlers above)
+_CHAT_TO_RESPONSES = {"response_format": "text", "max_completion_tokens": "max_output_tokens",
+                      "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 
 
 async def retrieve_response(request: Request) -> Response:

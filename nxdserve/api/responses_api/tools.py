@@ -61,6 +61,9 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise APIError('`text` takes {"format": {"type": "text" | "json_schema", ...}}.', param="text")
     if fmt.get("type") == "text" and set(fmt) == {"type"}:
         return None
+    unknown = sorted(set(fmt) - {"type", "name", "schema", "strict", "description"})
+    if unknown:
+        raise APIError(f"Unrecognized request argument supplied: text.format.{unknown[0]}", param="text")
     named = isinstance(fmt.get("name", ""), str)
     if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict) and named:
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}

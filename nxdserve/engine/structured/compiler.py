@@ -148,7 +148,7 @@ class GrammarCompiler:
                 )
                 return str(grammar)
             if spec.kind == "regex":
-                return str(llguidance.grammar_from("regex", str(spec.regex)))
+                return str(llguidance.grammar_from("regex", ascii_classes(str(spec.regex))))
             if spec.kind == "choice":
                 return str(llguidance.grammar_from("choice", json.dumps(spec.choice)))
             if spec.kind == "grammar":
@@ -158,6 +158,27 @@ class GrammarCompiler:
             raise
         except Exception as exc:  # llguidance raises ValueError / RuntimeError with the reason
             raise InvalidRequestError(f"Invalid {spec.kind} for structured outputs: {exc}", param=spec.param) from exc
+
+
+# The classes as ECMAScript (and JSON Schema's ``pattern``, and xgrammar, vLLM's default backend) read them;
+# llguidance's regex reads them as Unicode classes, so ``\d`` would allow digits such as U+0663. A class also
+# works nested inside a bracket expression (``[a\d]`` -> ``[a[0-9]]``).
+_ASCII_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
+
+
+def ascii_classes(regex: str) -> str:
+    r"""``regex`` with ``\d``, ``\D``, ``\w`` and ``\W`` as their ASCII classes (escaped backslashes kept)."""
+    out: list[str] = []
+    i = 0
+    while i < len(regex):
+        if regex[i] == "\\" and i + 1 < len(regex):
+            pair = regex[i: i + 2]
+            out.append(_ASCII_CLASSES.get(pair[1], pair))
+            i += 2
+        else:
+            out.append(regex[i])
+            i += 1
+    return "".join(out)
 
 
 def _structural_tag_grammar(raw: str | dict[str, Any] | None) -> str:

@@ -11,6 +11,12 @@ from nxdserve.errors import InvalidRequestError
 
 # The request field a constraint came from, for errors (the API sets it: "response_format", "guided_json", ...).
 DEFAULT_PARAM = "structured_outputs"
+# Each field's accepted types: a wrong type is a 400, never reinterpreted (a string is not a list of choices)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "json": (str, dict), "regex": (str,), "choice": (list, tuple), "grammar": (str,), "json_object": (bool,),
+    "structural_tag": (str, dict), "disable_any_whitespace": (bool,), "disable_additional_properties": (bool,),
+    "whitespace_pattern": (str,),
+}
 
 
 @dataclass
@@ -31,6 +37,13 @@ class StructuredOutputsParams:
     start_after_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        for name, types in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                wanted = " or ".join({"str": "a string", "dict": "an object", "list": "a list", "tuple": "a list",
+                                      "bool": "a boolean"}[t.__name__] for t in types if t is not tuple)
+                raise InvalidRequestError(f"{self.param}: {name} must be {wanted}, got {type(value).__name__}.",
+                                          param=self.param)
         kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
                  if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
