@@ -39,7 +39,8 @@ def _functions(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
 
 
 def _required_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """vLLM's schema for tool_choice "required": a list of {name, parameters}, $defs hoisted."""
+    """vLLM's schema for tool_choice "required": a list of {name, parameters} (and nothing else), $defs
+    hoisted."""
     defs: dict[str, Any] = {}
     variants = []
     for name, fn in functions.items():
@@ -48,8 +49,9 @@ def _required_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> di
             if key in defs and defs[key] != value:
                 raise APIError(f"Tool parameters define $defs {key!r} differently.", param="tools")
             defs[key] = value
+        # No other keys: a model that wrote a "description" after the parameters ran on to max_tokens
         variants.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-                         "required": ["name", "parameters"]})
+                         "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": {"type": "object", "anyOf": variants}}
     if not parallel:

@@ -112,6 +112,20 @@ def test_regex_classes_are_ascii_as_in_ecmascript(pattern: str, accepted: list[s
         assert (matcher.validate_tokens(ids) == len(ids)) == ok, (pattern, text)
 
 
+def test_required_tool_calls_hold_only_name_and_parameters() -> None:
+    from nxdserve.api.chat_output import _required_schema
+
+    tools = {"f": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    compiler = shared_core().structured.compiler
+    tokenizer = compiler._hf_tokenizer
+    for text, ok in [('[{"name": "f", "parameters": {"a": 1}}]', True),
+                     ('[{"name": "f", "parameters": {"a": 1}, "description": "x"}]', False),
+                     ('[{"name": "g", "parameters": {}}]', False)]:
+        matcher = compiler.new_matcher(StructuredOutputsParams(json=_required_schema(tools, parallel=True)))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (matcher.validate_tokens(ids) == len(ids)) == ok, text
+
+
 def test_spec_needs_exactly_one_kind() -> None:
     with pytest.raises(InvalidRequestError) as info:
         StructuredOutputsParams(regex="a", choice=["a"], param="structured_outputs")
