@@ -127,8 +127,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         quantization_tune_epochs=args.quantization_tune_epochs,
         enable_lora=args.enable_lora,
-        max_loras=args.max_loras or 1,
-        max_lora_rank=args.max_lora_rank or 16,
+        max_loras=1 if args.max_loras is None else args.max_loras,
+        max_lora_rank=16 if args.max_lora_rank is None else args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=_lora_modules(args),
     )
@@ -285,7 +285,14 @@ def plan(argv: Sequence[str]) -> tuple[EngineConfig, ServeOptions, list[str]]:
     (engine config, server options, the info lines start-up logs). Raises ConfigError for refused flags;
     argparse's SystemExit for unknown ones."""
     parser = build_parser()
-    args = parser.parse_args(normalize_flag_spelling(expand_config_file(list(argv))))
+    argv = normalize_flag_spelling(expand_config_file(list(argv), parser._option_string_actions))
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `vllm serve`'s optional positional MODEL may come after flags too
+        if len(extra) > 1 or extra[0].startswith("-"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.model is not None and args.model != extra[0]:
+            raise ConfigError(f"the model is given twice: {extra[0]!r} and --model {args.model!r}")
+        args.model = extra[0]
     infos = check_flags(parser.flags, args)
     infos += check_combination(args)
     config = apply_data_parallel_args(engine_config_from_args(args), args)  # data parallel (issue 31)

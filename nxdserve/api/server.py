@@ -236,6 +236,7 @@ async def serve(engine_config: Any, opts: ServeOptions) -> int:
         elif server.should_exit and sig == signal.SIGINT:
             logger.warning("second SIGINT: exiting without waiting for requests")
             server.force_exit = True
+            server.engine.abort_all()  # ends the engine's drain too
         else:
             logger.info("%s received: draining in-flight requests (up to %.0fs)", sig.name, opts.drain_timeout)
             server.should_exit = True

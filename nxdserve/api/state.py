@@ -51,10 +51,11 @@ class ServerState:
         return int(self.engine.config.max_logprobs)
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to echo in responses (a served name or a LoRA adapter's); 404 for one not served."""
-        if requested is None or requested == "":
+        """The name to echo in responses: the first served name for any of them (vLLM's ``base_model_paths[0]``),
+        or a LoRA adapter's; 404 for one not served."""
+        if requested is None or requested == "" or requested in self.served_model_names:
             return self.model_name
-        if requested not in self.served_model_names and self.lora_for(requested) is None:
+        if self.lora_for(requested) is None:
             raise model_not_found(requested)
         return requested
 

@@ -111,7 +111,8 @@ def add_parallel_flags(p: ServeParser) -> None:
     g.no_effect("--distributed-executor-backend", type=nullable_str, default=None, note=SINGLE_PROCESS)
     g.add("--pipeline-parallel-size", "-pp", type=int, default=1,
           note="1 only: no pipeline parallelism; use --tensor-parallel-size on the nxd backend")
-    g.add("--tensor-parallel-size", "-tp", type=int, default=1, note="NxD tensor parallel degree")
+    g.add("--tensor-parallel-size", "-tp", type=int, default=1,
+          note="NxD tensor parallel degree; on the torch backend one info line (the model runs whole on one device)")
     g.refused("--decode-context-parallel-size", "-dcp", type=int, default=1, note="use --tensor-parallel-size")
     g.no_effect("--enable-expert-parallel", action=BOOL, default=False, note=MOE)
     g.no_effect("--all2all-backend", type=nullable_str, default=None, note=MOE)
@@ -241,7 +242,8 @@ def add_nxdserve_flags(p: ServeParser) -> None:
           note="auto: nxd where NxD Inference and a Neuron device exist, else torch")
     g.add("--device", default="auto", note="torch backend: auto | cpu | cuda")
     g.add("--num-threads", type=int, default=None, note="torch intra-op threads")
-    g.add("--override-neuron-config", type=json_object, default=None, note="JSON merged into NxD's NeuronConfig")
+    g.add("--override-neuron-config", type=json_object, default=None,
+          note="JSON merged into NxD's NeuronConfig; on the torch backend one info line (no effect)")
     g.add("--whole-prompt-overflow", type=int, default=None,
           note="chunked mode: tokens a step may exceed --max-num-batched-tokens by to run a short prompt whole "
           "instead of splitting it (default: 64 with the CPU default budget of 128, else 0)")

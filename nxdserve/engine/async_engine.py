@@ -107,6 +107,8 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._streams: dict[str, RequestStream] = {}
+        # An n > 1 request's id -> its choices' engine ids, while it runs (abort takes either)
+        self._choice_ids: dict[str, list[str]] = {}
         self._wakeup = asyncio.Event()
         self._accepting = False
         self._stopping = False
@@ -400,19 +402,25 @@ class AsyncEngine:
         prompt = await self.process_prompt(prompt, add_special_tokens)
         if params.n > 1:  # one engine request per choice (the core runs single sequences), merged
             base = request_id or uuid.uuid4().hex
+            if base in self._choice_ids:
+                raise InvalidRequestError(f"Request id {base!r} is already in flight.", param="request_id")
             streams: list[RequestStream] = []
+            self._choice_ids[base] = [f"{base}-{i}" for i in range(params.n)]
             try:
-                for i, child in enumerate(child_params(params)):
-                    streams.append(self.add_request(prompt, child, f"{base}-{i}", add_special_tokens, lora_request,
-                                                    priority))  # fmt: skip
-            except BaseException:
-                abort_all(streams)
-                raise
-            parent = ParentOutputs(base, params.n, params.output_kind)
-            async for i, out in merge(streams):  # aborts every choice however it ends
-                folded = parent.update(i, out)
-                if folded is not None:
-                    yield folded
+                try:
+                    for i, child in enumerate(child_params(params)):
+                        streams.append(self.add_request(prompt, child, f"{base}-{i}", add_special_tokens,
+                                                        lora_request, priority))  # fmt: skip
+                except BaseException:
+                    abort_all(streams)
+                    raise
+                parent = ParentOutputs(base, params.n, params.output_kind)
+                async for i, out in merge(streams):  # aborts every choice however it ends
+                    folded = parent.update(i, out)
+                    if folded is not None:
+                        yield folded
+            finally:
+                self._choice_ids.pop(base, None)
             return
         stream = self.add_request(prompt, params, request_id, add_special_tokens, lora_request, priority)
         try:
@@ -422,7 +430,10 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Idempotent; unknown ids are ignored. The slot is freed before the next step."""
+        """Idempotent; unknown ids are ignored. The slot is freed before the next step. The id ``generate`` was
+        given for an n > 1 request aborts all its choices (as vLLM's parent id does)."""
+        for choice_id in self._choice_ids.get(request_id, ()):
+            self.abort(choice_id)
         stream = self._streams.pop(request_id, None)
         if stream is None or self.core is None:
             return
@@ -433,6 +444,11 @@ class AsyncEngine:
             stream.put(out)
         self.core.abort_before_next_step([request_id])
         self._wakeup.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (a drain cut short: the server's second Ctrl-C)."""
+        for request_id in list(self._streams):
+            self.abort(request_id)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from nxdserve import cli
+from nxdserve.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,6 +133,20 @@ def test_serve_alias_accepts_a_positional_model(monkeypatch: pytest.MonkeyPatch)
     assert captured["opts"].port == 9001  # type: ignore[attr-defined]
 
 
+def test_the_model_may_come_after_the_flags() -> None:
+    """vLLM's ``model_tag`` is an optional positional: ``vllm serve --port 8001 MODEL`` works, and so does
+    ``nxdserve MODEL`` (the usage line's form)."""
+    assert cli.plan(["--port", "9001", "/models/x"])[0].model == "/models/x"
+    assert cli.plan(["/models/x", "--max-num-seqs", "4"])[0].model == "/models/x"
+    assert cli.plan(["/models/x", "--model", "/models/x"])[0].model == "/models/x"
+    with pytest.raises(ConfigError, match="given twice"):
+        cli.plan(["--model", "/models/a", "/models/b"])
+    with pytest.raises(SystemExit):
+        cli.plan(["/models/a", "/models/b"])
+    with pytest.raises(SystemExit):
+        cli.plan(["--no-such-flag"])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,6 +193,69 @@ def test_process_serves_then_drains_on_sigterm() -> None:
             proc.wait()
 
 
+def _start_server(*flags: str) -> tuple[subprocess.Popen[str], int]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "nxdserve.cli", "--host", "127.0.0.1", "--port", str(port), "--backend", "torch",
+           "--dtype", "float32", "--max-model-len", "256", *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, "server exited:\n" + "".join(lines)
+        lines.append(line)
+        if line.startswith("nxdserve ready:"):
+            return proc, port
+    proc.kill()
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+@pytest.mark.slow
+def test_a_second_sigint_exits_without_running_the_queue() -> None:
+    """The first Ctrl-C drains (up to --drain-timeout 300 here); the second aborts what is left and exits at once,
+    rather than running every queued request to its end."""
+    import threading
+
+    proc, port = _start_server("--max-num-seqs", "1", "--drain-timeout", "300")
+    finishes: list[str | None] = []
+    first_bytes = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        reason = None
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    first_bytes.set()
+                    if line.startswith("data: {"):
+                        reason = json.loads(line[6:])["choices"][0]["finish_reason"] or reason
+        except httpx.HTTPError:
+            reason = "disconnected"
+        finishes.append(reason)
+
+    try:
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        assert first_bytes.wait(120)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        assert proc.wait(timeout=60) == 0
+        for t in threads:
+            t.join(60)
+        # 4 x 200 tokens one at a time would take far longer than the exit did
+        assert time.monotonic() - start < 30
+        assert finishes.count("length") < 4, finishes
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_an_engine_refusal_at_start_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
     """A refusal raised while the engine starts (here a --lora-modules folder with no adapter) ends the process
     with the reason on one line, not a traceback."""
@@ -189,3 +267,11 @@ def test_an_engine_refusal_at_start_is_one_error_line_and_exit_2(tmp_path: Path)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no adapter_config.json" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_zero_lora_limits_reach_the_engine_checks() -> None:
+    """``--max-loras 0`` / ``--max-lora-rank 0`` are values, not "unset": the engine refuses them at start."""
+    cfg = cli.plan(["--model", "/m", "--enable-lora", "--max-loras", "0", "--max-lora-rank", "0"])[0]
+    assert (cfg.max_loras, cfg.max_lora_rank) == (0, 0)
+    defaults = cli.plan(["--model", "/m", "--enable-lora"])[0]
+    assert (defaults.max_loras, defaults.max_lora_rank) == (1, 16)

@@ -198,3 +198,14 @@ def test_disable_log_stats_silences_the_throughput_line(disabled: bool, caplog: 
     with caplog.at_level(logging.INFO, logger="nxdserve.engine.async_engine"):
         engine._maybe_log(core)  # type: ignore[arg-type]
     assert ("Avg prompt throughput" in caplog.text) is not disabled
+
+
+def test_nxd_only_settings_say_so_on_the_torch_backend(caplog: pytest.LogCaptureFixture) -> None:
+    from nxdserve.config import EngineConfig
+    from nxdserve.engine.backends import _note_nxd_only_settings
+
+    with caplog.at_level(logging.INFO, logger="nxdserve.engine.backends"):
+        _note_nxd_only_settings(EngineConfig(tensor_parallel_size=1))
+        assert caplog.text == ""
+        _note_nxd_only_settings(EngineConfig(tensor_parallel_size=2, override_neuron_config={"bogus_key": 1}))
+    assert "--tensor-parallel-size 2" in caplog.text and "--override-neuron-config ['bogus_key']" in caplog.text

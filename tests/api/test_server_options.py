@@ -71,7 +71,7 @@ async def test_openai_sdk_over_https(tls_server: BackgroundServer, ca: trustme.C
         chat = await client.chat.completions.create(
             model="other", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
         )
-        assert chat.model == "other" and chat.usage is not None and chat.usage.completion_tokens <= 3
+        assert chat.model == "smol" and chat.usage is not None and chat.usage.completion_tokens <= 3
         resp = await client.responses.create(model="smol", input="Hi", max_output_tokens=3, temperature=0)
         assert resp.output_text == chat.choices[0].message.content
 
@@ -172,3 +172,13 @@ def test_config_file_and_flags_on_top(tmp_path: Path) -> None:
     assert (opts.host, opts.port, opts.uvicorn_log_level) == ("127.0.0.1", 7000, "info")
     assert opts.allowed_origins == ["https://a.example"]
     assert [line.split()[0] for line in infos] == ["--enforce-eager"]
+
+
+def test_config_file_false_values(tmp_path: Path) -> None:
+    """``false`` turns a flag with a --no- form off, and leaves a plain switch at its default (vLLM skips it)."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("enable-auto-tool-choice: false\ncpu-quant-int8-activations: false\n"
+                           "enable-chunked-prefill: false\nenable-prefix-caching: false\n")
+    cfg, _, _ = cli.plan(["--config", str(config_file), "--model", "/tmp/model"])
+    assert not cfg.enable_auto_tool_choice and cfg.scheduling_mode == "prefill-first"
+    assert not cfg.enable_prefix_caching

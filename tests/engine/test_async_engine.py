@@ -107,6 +107,28 @@ async def test_abort_is_idempotent_and_ends_the_stream(engine: AsyncEngine) -> N
     assert out[-1].finished
 
 
+async def test_aborting_an_n_request_by_its_own_id_ends_every_choice(engine: AsyncEngine) -> None:
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=64, ignore_eos=True, output_kind=OutputKind.DELTA)
+    finish: dict[int, str | None] = {}
+    tokens = 0
+    async for out in engine.generate("Tell me a long story.", params, request_id="par"):
+        tokens += sum(len(c.token_ids) for c in out.outputs)
+        if tokens and not finish:
+            engine.abort("par")
+            engine.abort("par")  # idempotent
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert finish == {0: "abort", 1: "abort"} and tokens < 2 * 64
+    for _ in range(200):
+        if engine.stats().num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+    out = [o async for o in engine.generate("Hi", SamplingParams(n=2, max_tokens=2), request_id="par")]
+    assert out[-1].finished  # the id is free again
+
+
 async def test_event_loop_stays_responsive_during_generation(engine: AsyncEngine) -> None:
     ticks = 0
     stop = asyncio.Event()

@@ -77,4 +77,16 @@ def create_backend(config: EngineConfig, model_path: Path) -> Backend:
         return NxdBackend(model_path, config)
     from nxdserve.engine.backends.torch_backend import TorchBackend
 
+    _note_nxd_only_settings(config)
     return TorchBackend(model_path, config)
+
+
+def _note_nxd_only_settings(config: EngineConfig) -> None:
+    """One line for each NxD setting the torch backend cannot honour, so that none looks honoured."""
+    if config.tensor_parallel_size > 1:
+        logger.info("--tensor-parallel-size %d: the torch backend runs the model whole on one device (its CPU "
+                    "threads are set by --num-threads); the degree applies on the nxd backend (NxD's tp_degree)",
+                    config.tensor_parallel_size)
+    if config.override_neuron_config:
+        logger.info("--override-neuron-config %s: no effect on the torch backend (NxD's NeuronConfig only)",
+                    sorted(config.override_neuron_config))

@@ -84,6 +84,7 @@ class DataParallelEngine:
         placements = placements or plan(size, config.tensor_parallel_size, config.backend)
         self.handles = [_EngineProcessHandle(p) for p in placements]
         self._owner: dict[str, _EngineProcessHandle] = {}
+        self._choice_ids: dict[str, list[str]] = {}  # as AsyncEngine's: read by the shared generate and abort
         self._accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mp = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
@@ -333,11 +334,19 @@ class DataParallelEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def abort(self, request_id: str) -> None:
-        """Idempotent; unknown ids are ignored. The engine answers with the request's final "abort" output."""
+        """Idempotent; unknown ids are ignored. The engine answers with the request's final "abort" output. An
+        n > 1 request's own id aborts all its choices."""
+        for choice_id in self._choice_ids.get(request_id, ()):
+            self.abort(choice_id)
         handle = self._owner.get(request_id)
         if handle is not None and handle.conn is not None:
             with contextlib.suppress(OSError):
                 handle.conn.send(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (a drain cut short: the server's second Ctrl-C)."""
+        for request_id in list(self._owner):
+            self.abort(request_id)
 
     # -- what the API reads --------------------------------------------------------------------------
     @property
