@@ -63,6 +63,8 @@ def test_overrides_merge_one_level_deep() -> None:
     assert merge_overrides(base, {"on_device_sampling_config": None})[0]["on_device_sampling_config"] is None
     with pytest.raises(ConfigError, match="is_prefix_caching"):
         merge_overrides(base, {"is_prefix_caching": True})
+    with pytest.raises(ConfigError, match="draft_overrides"):  # the draft may not switch them on either
+        merge_overrides(base, {"draft_overrides": {"is_block_kv_layout": True}})
 
 
 @pytest.mark.parametrize(
@@ -107,7 +109,8 @@ def test_artifact_folders(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
 
 def _settings(**kw: object) -> NxdSettings:
     base: dict[str, object] = {"batch_size": 4, "max_context_length": 256, "max_length": 256,
-                               "cte_buckets_largest": 256, "on_device_sampling": True, "global_topk": 256,
+                               "cte_buckets_largest": 256, "tkg_buckets_largest": 256,
+                               "on_device_sampling": True, "global_topk": 256,
                                "output_logits": False, "speculation_length": 0, "eagle": False,
                                "seq_ids_mask": False, "pad_token_id": 0}
     base.update(kw)
@@ -117,6 +120,9 @@ def _settings(**kw: object) -> NxdSettings:
 def test_limits_and_sampling_modes() -> None:
     assert _settings().max_model_len == 256 and _settings().sampling_mode == "device"
     assert _settings(speculation_length=5).max_model_len == 253  # p + 5 <= 256 with p = N - 2
+    # token-generation buckets that stop below max_length are the limit (NxD raises past the largest)
+    assert _settings(tkg_buckets_largest=128).max_model_len == 128
+    assert _settings(tkg_buckets_largest=128, speculation_length=5).max_model_len == 125
     assert _settings(output_logits=True).sampling_mode == "hybrid"
     assert _settings(output_logits=True, speculation_length=5).sampling_mode == "device"
     assert _settings(on_device_sampling=False, global_topk=None).sampling_mode == "cpu"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nxdserve.engine.core import EngineCore
-from nxdserve.errors import InvalidRequestError, RequestTooLongError
+from nxdserve.errors import ConfigError, InvalidRequestError, RequestTooLongError
 from nxdserve.sampling_params import OutputKind, SamplingParams
 from tests.helpers.tiny_model import tiny_model_path
 from tests.nxd.engines import MAX_MODEL_LEN, admit, greedy, make_core, run, tokens
@@ -130,6 +130,18 @@ def test_length_limits_are_enforced_at_admission(nxd: EngineCore) -> None:
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
 
 
+def test_custom_buckets_below_the_lengths_bound_admission(model: str) -> None:
+    """--override-neuron-config buckets that stop below max_context_length / max_length: a request never
+    reaches NxD's "exceeds largest bucket" ValueError; the largest buckets are the limits."""
+    core = make_core(model, enable_chunked_prefill=False,
+                     override_neuron_config={"context_encoding_buckets": [64, 128], "token_generation_buckets": [160]})
+    assert core.capabilities.max_prompt_len == 128 and core.max_model_len == 160
+    with pytest.raises(RequestTooLongError):
+        admit(core, [5] * 129, greedy(1))
+    out = run(core, [list(range(1000, 1100))], SamplingParams(temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and 100 + len(out.outputs[0].token_ids) == 160
+
+
 def test_runs_to_exactly_max_model_len(nxd: EngineCore, reference: EngineCore) -> None:
     prompt = list(range(1000, 1200))
     out = run(nxd, [prompt], SamplingParams(temperature=0.0, ignore_eos=True))[0]
@@ -232,3 +244,16 @@ def test_neuron_compiled_artifacts_names_one_folder(model: str, monkeypatch: pyt
     assert len(application_base.COMPILE_LOG) == compiled and "is ignored" in caplog.text
     assert second.backend.settings.sampling_mode == "device"  # type: ignore[attr-defined]  # the folder's config
     assert tokens(run(second, [PROMPTS[0]], greedy(8))) == tokens(run(first, [PROMPTS[0]], greedy(8)))
+    # A flag the compiled model was built without is named (its setting runs), and adapters without a compiled
+    # lora_config are refused at start rather than failing every request
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nxdserve"):
+        make_core(model, max_num_seqs=2, kv_cache_dtype="fp8")
+    assert "kv_cache_quant True -> False" in caplog.text
+    from nxdserve.lora.request import LoRARequest
+    from tests.helpers.lora import make_peft_adapter
+
+    adapter = make_peft_adapter(Path(model), tmp_path / "adapter", seed=5)
+    with pytest.raises(ConfigError, match="compiled without LoRA"):
+        make_core(model, max_num_seqs=2, enable_lora=True, max_loras=1,
+                  lora_modules=[LoRARequest("a", 1, str(adapter))])

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from nxdserve.engine.backends.nxd.backend import cpu_sampling_features
 from nxdserve.engine.backends.nxd.inputs import cte_call, sampling_rows, tkg_call
 from nxdserve.engine.backends.nxd.outputs import fused_tokens, read_fused, read_logits, read_tokens
+from nxdserve.engine.backends.nxd.request_check import cpu_sampling_features
 from nxdserve.sampling_params import SamplingParams
 
 

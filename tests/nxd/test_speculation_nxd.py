@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nxdserve.engine.core import EngineCore
-from nxdserve.errors import InvalidRequestError, RequestTooLongError
+from nxdserve.errors import ConfigError, InvalidRequestError, RequestTooLongError
 from nxdserve.sampling_params import SamplingParams
 from tests.helpers.tiny_model import build_tiny_model, tiny_model_path
 from tests.nxd.engines import MAX_MODEL_LEN, admit, greedy, make_core, run, tokens
@@ -81,6 +81,12 @@ def test_fused_speculation_samples_on_device_only(fused: EngineCore) -> None:
         admit(fused, [5, 6], SamplingParams(logprobs=1))
     out = run(fused, PROMPTS[:2], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+
+
+def test_fused_speculation_without_the_on_device_sampler_is_refused(model: str) -> None:
+    with pytest.raises(ConfigError, match="samples on device"):
+        make_core(model, enable_chunked_prefill=False, speculative_config=spec("draft_model", model),
+                  override_neuron_config={"on_device_sampling_config": None})
 
 
 def test_eagle_keeps_seq_ids_stable(model: str, other_draft: str, expected: list[list[int]]) -> None:

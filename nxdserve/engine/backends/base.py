@@ -96,6 +96,11 @@ class Backend(abc.ABC):
     def validate_request(self, params: SamplingParams) -> None:  # noqa: B027 - optional hook
         """Raise InvalidRequestError for parameters this backend cannot honour (checked at admission)."""
 
+    def request_check(self) -> Callable[[SamplingParams], None] | None:
+        """``validate_request`` as a picklable callable (a data-parallel front end runs it before a stream
+        opens), or None where the backend checks nothing more than the engine does."""
+        return None
+
     def validate_images(self, mm_inputs: MultiModalInputs) -> None:  # noqa: B027 - optional hook
         """Raise InvalidRequestError for a prompt's images this backend cannot run (checked at admission)."""
 

@@ -115,6 +115,9 @@ class DataParallelEngine:
             await self.shutdown(drain_timeout=0)
             raise
         facts = self._facts
+        # Report the scheduling the engines run (the nxd backend's prefill-first fallback), not the one asked
+        self.config.enable_chunked_prefill = facts.enable_chunked_prefill
+        self.config.max_num_batched_tokens = facts.max_num_batched_tokens
         eos = eos_token_ids(facts.model_path, self.tokenizer)  # what each engine's core gathers too
         self._grammars = GrammarCompiler(self.tokenizer, facts.vocab_size, eos)
         self.model_path = facts.model_path
@@ -271,7 +274,8 @@ class DataParallelEngine:
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
         stand_in = SimpleNamespace(
             scheduler=SimpleNamespace(requests={}, waiting=[]), vocab_size=facts.vocab_size, config=self.config,
-            backend=SimpleNamespace(validate_request=lambda _params: None), max_prompt_len=facts.max_prompt_len,
+            backend=SimpleNamespace(validate_request=facts.request_check or (lambda _params: None)),
+            max_prompt_len=facts.max_prompt_len,
             structured=SimpleNamespace(compiler=self._grammars),
             max_model_len=facts.max_model_len, eos_token_ids=frozenset(),
         )

@@ -10,9 +10,11 @@ same nxdserve.errors type, so the API maps them to the same HTTP status as in on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nxdserve import errors
+from nxdserve.sampling_params import SamplingParams
 
 WireError = tuple[str, str, str | None]
 
@@ -35,6 +37,11 @@ class EngineFacts:
     max_num_seqs: int
     generation_defaults: dict[str, float | int]
     pid: int
+    # The backend's admission check (Backend.request_check: picklable), run before a request's stream opens
+    request_check: Callable[[SamplingParams], None] | None = None
+    # The scheduling the engine runs (the nxd backend falls back to prefill-first with its own token budget)
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
 
 
 def to_wire(error: BaseException) -> WireError:

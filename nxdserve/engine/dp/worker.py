@@ -61,7 +61,9 @@ class _EngineProcess:
         self.send(("ready", EngineFacts(
             model_path=engine.model_path, backend_name=engine.backend_name, max_model_len=core.max_model_len,
             max_prompt_len=core.max_prompt_len, vocab_size=core.vocab_size, max_num_seqs=core.num_slots,
-            generation_defaults=dict(engine.generation_defaults), pid=os.getpid())))
+            generation_defaults=dict(engine.generation_defaults), pid=os.getpid(),
+            request_check=core.backend.request_check(), enable_chunked_prefill=engine.config.enable_chunked_prefill,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens)))
         inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._read, args=(loop, inbox), name="dp-engine-reader", daemon=True).start()

@@ -91,6 +91,11 @@ def build_inference_config(model_path: Path, config: EngineConfig, hf_config: An
         draft_path = spec.get("model")
         if not draft_path:
             raise ConfigError("Fused speculation on NxD needs a draft model: --speculative-config '{\"model\": ...}'.")
+        if kwargs.get("on_device_sampling_config") is None:  # NxD's fused model samples with its on-device sampler
+            raise ConfigError(
+                "--speculative-config on nxd runs NxD's fused speculation, which samples on device: it cannot be "
+                "combined with --override-neuron-config '{\"on_device_sampling_config\": null}'."
+            )
         draft_nc = cls.get_neuron_config_cls()(**draft_neuron_config({**kwargs, "lora_config": None}, draft_overrides))
         draft_config = cls.get_config_cls()(draft_nc, load_config=load_pretrained_config(str(draft_path)))
         inference_config.fused_spec_config = FusedSpecNeuronConfig(
@@ -130,8 +135,10 @@ def load_application(model_path: Path, config: EngineConfig, hf_config: Any) -> 
     app = None
     if exact and _has_archive(folder):
         # A folder the user compiled before: its config wins, as in vllm-neuron (overrides are ignored).
+        requested = inference_config.neuron_config
         inference_config = cls.get_config_cls().load(str(folder))
         check_supported(inference_config.neuron_config, f"the compiled model in {folder}")
+        _check_precompiled(requested, inference_config.neuron_config, folder)
         if config.override_neuron_config:
             logger.warning("NxD: loading pre-compiled artifacts from %s; --override-neuron-config is ignored", folder)
     else:
@@ -155,6 +162,28 @@ def load_application(model_path: Path, config: EngineConfig, hf_config: Any) -> 
     pad = getattr(inference_config, "pad_token_id", None)
     settings = NxdSettings.from_neuron_config(app.neuron_config, int(pad) if pad is not None else 0)
     return LoadedApp(app, settings, folder, compiled_now)
+
+
+# NeuronConfig settings the flags decide (--enable-lora, --speculative-config, --kv-cache-dtype, --quantization,
+# --tensor-parallel-size, --max-num-seqs, --max-model-len, --dtype) that a pre-compiled folder may hold otherwise
+_COMPILED_SETTINGS = ("enable_fused_speculation", "speculation_length", "kv_cache_quant", "quantized",
+                      "quantization_dtype", "tp_degree", "batch_size", "max_context_length", "max_length",
+                      "torch_dtype")
+
+
+def _check_precompiled(requested: Any, compiled: Any, folder: Path) -> None:
+    """Refuse what the pre-compiled model cannot serve (adapters without a compiled lora_config: every request
+    would fail); name each other setting the flags asked differently, since the compiled one runs."""
+    if getattr(requested, "lora_config", None) is not None and getattr(compiled, "lora_config", None) is None:
+        raise ConfigError(
+            f"--enable-lora: the pre-compiled model in {folder} (NEURON_COMPILED_ARTIFACTS) was compiled without "
+            "LoRA; compile it with --enable-lora (an empty folder is compiled into), or serve without adapters"
+        )
+    differ = [f"{key} {getattr(requested, key, None)!r} -> {getattr(compiled, key, None)!r}"
+              for key in _COMPILED_SETTINGS if getattr(requested, key, None) != getattr(compiled, key, None)]
+    if differ:
+        logger.warning("NxD: the pre-compiled model in %s runs with its own settings, not the flags': %s",
+                       folder, "; ".join(differ))
 
 
 def _compile_once(cls: Any, model_path: Path, inference_config: Any, folder: Path, exact: bool) -> Any:

@@ -43,6 +43,7 @@ from nxdserve.engine.backends.nxd.neuron_config import (
     qwen2_vl_image_grid,
 )
 from nxdserve.engine.backends.nxd.outputs import read_fused, read_logits, read_tokens
+from nxdserve.engine.backends.nxd.request_check import NxdRequestCheck
 from nxdserve.engine.mm_inputs import MultiModalInputs
 from nxdserve.engine.models.compressed_tensors import resolve_quantization
 from nxdserve.engine.models.spec import ModelSpec
@@ -56,25 +57,6 @@ from nxdserve.sampling_params import GREEDY_EPS, SamplingParams
 logger = logging.getLogger(__name__)
 
 LAST_RELEASE_WITH_CHUNKED_PREFILL = (0, 7)
-
-
-def cpu_sampling_features(params: SamplingParams) -> list[str]:
-    """The request's parameters that on-device sampling cannot apply (empty: NxD can sample it)."""
-    used = {
-        "logprobs": params.logprobs is not None,
-        "min_p": params.min_p > 0.0,
-        "presence_penalty": params.presence_penalty != 0.0,
-        "frequency_penalty": params.frequency_penalty != 0.0,
-        "repetition_penalty": params.repetition_penalty != 1.0,
-        "logit_bias": bool(params.logit_bias),
-        "min_tokens": params.min_tokens > 0,
-        "seed": params.seed is not None and not params.is_greedy,  # NxD samples with the device's RNG
-        # issue 27: token masks (grammars, allowed ids, bad words) apply to the logits on the host
-        "structured_outputs": params.structured_outputs is not None,
-        "allowed_token_ids": bool(params.allowed_token_ids),
-        "bad_words": bool(params.bad_words),
-    }
-    return [name for name, on in used.items() if on]
 
 
 class NxdBackend(Backend):
@@ -100,8 +82,9 @@ class NxdBackend(Backend):
             logger.warning(
                 "NxD: requests are limited to %d tokens (max_model_len %d): %s",
                 max_model_len, config.max_model_len,
-                f"fused speculation (k={s.speculation_length}) must fit inside max_length={s.max_length}"
-                if s.fused else f"the compiled max_length is {s.max_length}",
+                f"fused speculation (k={s.speculation_length}) must fit inside the largest token-generation "
+                f"bucket, {s.tkg_buckets_largest}" if s.fused
+                else f"the largest compiled token-generation bucket is {s.tkg_buckets_largest}",
             )
         _fall_back_from_chunked_prefill(config)
         eos = getattr(text_config, "eos_token_id", None)
@@ -117,7 +100,7 @@ class NxdBackend(Backend):
         self._caps = BackendCapabilities(
             max_num_seqs=num_seqs,
             max_model_len=max_model_len,
-            max_prompt_len=s.max_context_length,
+            max_prompt_len=s.cte_buckets_largest,
             vocab_size=self.vocab_size,
             mixed_prefill_decode=False,
             chunked_prefill=False,
@@ -168,27 +151,10 @@ class NxdBackend(Backend):
 
     def validate_request(self, params: SamplingParams) -> None:
         """Admission check: raise InvalidRequestError for what this NxD configuration cannot serve."""
-        if params.prompt_logprobs is not None:
-            raise InvalidRequestError(
-                "prompt_logprobs is not available on the nxd backend: NxD context encoding returns the last "
-                "position's logits only.",
-                param="prompt_logprobs",
-            )
-        needs = cpu_sampling_features(params)
-        if not needs or self.settings.sampling_mode != "device":
-            return
-        if self.settings.fused:
-            how = "fused speculation samples on device; start without --speculative-config to use them"
-        else:
-            how = (
-                "start the server with --override-neuron-config '{\"output_logits\": true}' (NxD also returns "
-                "logits, and such requests are sampled on CPU) or '{\"on_device_sampling_config\": null}' "
-                "(all sampling on CPU)"
-            )
-        raise InvalidRequestError(
-            f"This server samples on the Neuron device, which cannot apply {', '.join(needs)}: {how}.",
-            param=needs[0],
-        )
+        self.request_check()(params)
+
+    def request_check(self) -> NxdRequestCheck:
+        return NxdRequestCheck(self.settings.sampling_mode, self.settings.fused)
 
     def validate_images(self, mm_inputs: MultiModalInputs) -> None:
         """NxD's Qwen2-VL encoder is compiled for one image size and at most its largest vision bucket of

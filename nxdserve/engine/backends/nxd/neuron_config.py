@@ -198,7 +198,10 @@ def merge_overrides(base: dict[str, Any], overrides: dict[str, Any] | None) -> t
     merged = copy.deepcopy(base)
     overrides = copy.deepcopy(overrides or {})
     draft_overrides = overrides.pop("draft_overrides", None) or {}
+    if not isinstance(draft_overrides, dict):
+        raise ConfigError("--override-neuron-config: draft_overrides must be a JSON object.")
     check_supported(overrides, "--override-neuron-config")
+    check_supported(draft_overrides, "--override-neuron-config draft_overrides")
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
@@ -240,7 +243,8 @@ class NxdSettings:
     batch_size: int  # token-generation batch: the KV lines decoded each step
     max_context_length: int
     max_length: int
-    cte_buckets_largest: int
+    cte_buckets_largest: int  # the longest prompt one context encoding takes (<= max_context_length)
+    tkg_buckets_largest: int  # the longest attention a decode step takes (<= max_length)
     on_device_sampling: bool
     global_topk: int | None
     output_logits: bool
@@ -252,12 +256,16 @@ class NxdSettings:
     @classmethod
     def from_neuron_config(cls, nc: Any, pad_token_id: int) -> NxdSettings:
         odsc = nc.on_device_sampling_config
+        # Custom buckets may stop below max_context_length / max_length (nxd-api.md 1.1): past the largest,
+        # NxD raises "Input len ... exceeds largest bucket", so the largest are the limits
         buckets = getattr(nc, "context_encoding_buckets", None) if nc.enable_bucketing else None
+        tkg_buckets = getattr(nc, "token_generation_buckets", None) if nc.enable_bucketing else None
         return cls(
             batch_size=int(nc.tkg_batch_size),
             max_context_length=int(nc.max_context_length),
             max_length=int(nc.max_length),
             cte_buckets_largest=int(buckets[-1]) if buckets else int(nc.max_context_length),
+            tkg_buckets_largest=int(tkg_buckets[-1]) if tkg_buckets else int(nc.max_length),
             on_device_sampling=odsc is not None,
             global_topk=int(odsc.global_topk) if odsc is not None else None,
             output_logits=bool(nc.output_logits),
@@ -273,15 +281,16 @@ class NxdSettings:
 
     @property
     def max_model_len(self) -> int:
-        """The longest request that never reaches a bucket ValueError mid-request.
+        """The longest request that never reaches a bucket ValueError mid-request: the largest token-generation
+        bucket (``max_length`` unless the buckets stop below it).
 
-        A fused step at input position p needs ``p + speculation_length <= max_length`` and there is no
+        A fused step at input position p needs ``p + speculation_length <= that bucket`` and there is no
         plain token-generation model to fall back on (NxD compiles the fused model instead of it). The
-        last step of a request of total length N has p = N - 2, so N <= max_length - k + 2.
+        last step of a request of total length N has p = N - 2, so N <= bucket - k + 2.
         """
         if self.speculation_length >= 2:
-            return self.max_length - self.speculation_length + 2
-        return self.max_length
+            return self.tkg_buckets_largest - self.speculation_length + 2
+        return self.tkg_buckets_largest
 
     @property
     def sampling_mode(self) -> str:
