@@ -25,7 +25,7 @@ from nxdserve.api.lora import RUNTIME_ROUTES as LORA_RUNTIME_ROUTES
 from nxdserve.api.lora import adapter_cards
 from nxdserve.api.lora import runtime_updates_allowed as runtime_lora_updates_allowed
 from nxdserve.api.middleware import APIKeyMiddleware, RequestIdMiddleware, load_user_middleware
-from nxdserve.api.multimodal import MediaOptions
+from nxdserve.api.multimodal import ImageInput, MediaOptions, load_chat_images, require_image_support
 from nxdserve.api.openapi import openapi_schema
 from nxdserve.api.params import check_token_ids, refuse_extra_fields
 from nxdserve.api.protocol import DetokenizeRequest, TokenizeRequest
@@ -39,6 +39,7 @@ from nxdserve.api.responses import (
 )
 from nxdserve.api.responses_api import RESPONSES_ROUTES, ResponseStore
 from nxdserve.api.state import ServerState, get_state, parse
+from nxdserve.engine.prompts import ProcessedPrompt
 from nxdserve.errors import NxdServeError
 from nxdserve.tools.flags import check_chat_template_flags
 
@@ -95,14 +96,24 @@ async def tokenize(request: Request) -> Response:
     state.resolve_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Exactly one of `prompt` or `messages` must be given.", param="prompt")
+    images: list[ImageInput] = []
     if req.messages is not None:
         check_chat_template_flags(req.add_generation_prompt, req.continue_final_message)
+        images = await load_chat_images(req.messages, state.media)  # checked as a chat request's are
+        require_image_support(state.engine, images)
         text = render_prompt(state.engine, req)
         add_special = bool(req.add_special_tokens)  # vLLM: False for chat unless asked
     else:
         text = req.prompt or ""
         add_special = req.add_special_tokens is None or req.add_special_tokens
-    tokens = list(state.tokenizer.encode(text, add_special_tokens=add_special))
+    if images:  # the processor's expansion: the count a chat request's usage reports
+        processed = await state.engine.process_prompt(
+            {"prompt": text, "multi_modal_data": {"image": [image.image for image in images]}}, add_special
+        )
+        assert isinstance(processed, ProcessedPrompt)
+        tokens = list(processed.token_ids)
+    else:
+        tokens = list(state.tokenizer.encode(text, add_special_tokens=add_special))
     token_strs = state.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
     resp = TokenizeResponse(
         count=len(tokens), max_model_len=int(state.engine.max_model_len), tokens=tokens, token_strs=token_strs

@@ -109,10 +109,11 @@ def require_image_support(engine: Any, images: Sequence[ImageInput]) -> None:
     """A 400 naming the first image when the served model takes no images (``AsyncEngine.accepts_images``:
     the backend's ``BackendCapabilities.image_inputs``)."""
     if images and not getattr(engine, "accepts_images", False):
-        raise APIError(
-            f"{images[0].where}: the served model is a text-only model and takes no image inputs.",
-            param=images[0].where,
-        )
+        if getattr(getattr(engine, "config", None), "data_parallel_size", 1) > 1:
+            why = "image inputs are not served with --data-parallel-size > 1 yet (docs/multimodal.md)"
+        else:
+            why = "the served model is a text-only model and takes no image inputs"
+        raise APIError(f"{images[0].where}: {why}.", param=images[0].where)
 
 
 def decode_image(data: bytes, where: str) -> Any:

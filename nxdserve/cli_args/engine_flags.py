@@ -16,7 +16,7 @@ NO_CUDA_GRAPHS = "no CUDA graphs or torch.compile here (the NxD backend compiles
 MOE = "no mixture-of-experts models here"
 SINGLE_PROCESS = "one engine process; nothing to distribute"
 CACHE_LAYOUT = "the KV cache is one slot of max_model_len per sequence, not paged blocks"
-VISION = "Images and other media inputs are tracked in their own issue; serve a text model."
+MM_NO_CACHE = "no processor cache: prefix caching reuses an image's KV (docs/multimodal.md)"
 LORA = "LoRA adapters are tracked in their own issue; merge the adapter into the weights for now."
 
 
@@ -131,7 +131,8 @@ def add_parallel_flags(p: ServeParser) -> None:
     g.no_effect("--disable-custom-all-reduce", action=BOOL, default=False, note="NxD runs its own collectives")
     g.refused("--worker-cls", default="auto", note=OWN_MODEL_CODE)
     g.refused("--worker-extension-cls", default="", note=OWN_MODEL_CODE)
-    g.no_effect("--enable-multimodal-encoder-data-parallel", action=BOOL, default=False, note="text models only")
+    g.no_effect("--enable-multimodal-encoder-data-parallel", action=BOOL, default=False,
+                note="the vision encoder runs with the model, whole")
 
 
 def add_cache_flags(p: ServeParser) -> None:
@@ -164,16 +165,21 @@ def add_multimodal_and_lora_flags(p: ServeParser) -> None:
     g = p.flag_group("MultiModalConfig", "Media inputs")
     g.add("--limit-mm-per-prompt", type=json_object, default=None,
           note='most images one prompt may hold, e.g. \'{"image": 4}\' (default 999)')
-    g.not_yet("--enable-mm-embeds", action=BOOL, default=False, note=VISION)
-    g.not_yet("--media-io-kwargs", type=json_object, default=None, note=VISION)
-    g.not_yet("--mm-processor-kwargs", type=json_object, default=None, note=VISION)
-    for name in ("--mm-processor-cache-gb", "--mm-shm-cache-max-object-size-mb", "--video-pruning-rate"):
-        g.no_effect(name, type=float, default=None, note="text models only")
-    g.no_effect("--disable-mm-preprocessor-cache", action=BOOL, default=False, note="text models only")
-    for name in ("--mm-processor-cache-type", "--mm-encoder-tp-mode", "--mm-encoder-attn-backend"):
-        g.no_effect(name, default=None, note="text models only")
-    g.no_effect("--interleave-mm-strings", action=BOOL, default=False, note="text models only")
-    g.no_effect("--skip-mm-profiling", action=BOOL, default=False, note="text models only")
+    g.not_yet("--enable-mm-embeds", action=BOOL, default=False, note="send images; embeddings are not taken as input")
+    g.not_yet("--media-io-kwargs", type=json_object, default=None, note="images load with the server's own decoder")
+    g.not_yet("--mm-processor-kwargs", type=json_object, default=None,
+              note="the processor reads the model folder's preprocessor_config.json: set min_pixels / max_pixels "
+              "there")
+    for name in ("--mm-processor-cache-gb", "--mm-shm-cache-max-object-size-mb"):
+        g.no_effect(name, type=float, default=None, note=MM_NO_CACHE)
+    g.no_effect("--video-pruning-rate", type=float, default=None, note="images only: no video inputs")
+    g.no_effect("--disable-mm-preprocessor-cache", action=BOOL, default=False, note=MM_NO_CACHE)
+    g.no_effect("--mm-processor-cache-type", default=None, note=MM_NO_CACHE)
+    g.no_effect("--mm-encoder-tp-mode", default=None, note="the vision encoder runs with the model, whole")
+    g.no_effect("--mm-encoder-attn-backend", default=None, note=OWN_MODEL_CODE)
+    g.no_effect("--interleave-mm-strings", action=BOOL, default=False,
+                note="image parts take their place in the message as the chat template renders it")
+    g.no_effect("--skip-mm-profiling", action=BOOL, default=False, note="no memory-profiling run at start")
 
     g = p.flag_group("LoRAConfig", "LoRA adapters (PEFT format), mixed with base-model rows in every batch")
     g.add("--enable-lora", action=BOOL, default=False, note="serve LoRA adapters (--lora-modules, or added later)")
@@ -203,7 +209,9 @@ def add_scheduler_flags(p: ServeParser) -> None:
           "the worst running request for a better waiting one's slot")
     g.add("--enable-chunked-prefill", action=BOOL, default=True,
           note="chunked prefill mixed with decodes; --no-enable-chunked-prefill: prefill-first")
-    g.no_effect("--disable-chunked-mm-input", action=BOOL, default=False, note="text models only")
+    g.refused("--disable-chunked-mm-input", action=BOOL, default=False,
+              note="a prefill chunk may end inside an image's tokens here; --no-enable-chunked-prefill runs "
+              "whole prompts")
     g.refused("--scheduler-cls", type=nullable_str, default=None, note="the scheduler is built in")
     g.no_effect("--disable-hybrid-kv-cache-manager", action=BOOL, default=False, note=CACHE_LAYOUT)
     g.no_effect("--async-scheduling", action=BOOL, default=False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import types
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,12 @@ def test_a_text_model_refuses_images_naming_the_first() -> None:
         require_image_support(TextEngine(), [image])
     assert info.value.param == "messages[1].content[0]"
 
+    class DataParallel:  # its engines run in other processes: images are not sent there yet
+        config = types.SimpleNamespace(data_parallel_size=2)
+
+    with pytest.raises(APIError, match="--data-parallel-size"):
+        require_image_support(DataParallel(), [image])
+
 
 async def test_server_answers_image_parts_with_400s_and_keeps_serving(http: httpx.AsyncClient) -> None:
     def body(*parts: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +172,10 @@ async def test_server_answers_image_parts_with_400s_and_keeps_serving(http: http
     assert error["param"] == "messages[0].content[1]" and "text-only" in error["message"]
     broken = await http.post("/v1/chat/completions", json=body(image_part(data_url(b"\x89PNG broken"))))
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages[0].content[1]"
+    # /tokenize checks a chat's images as a chat request does
+    counted = await http.post("/tokenize", json={"model": MODEL_NAME, "messages": body(
+        image_part(data_url(png_bytes())))["messages"]})
+    assert counted.status_code == 400 and counted.json()["error"]["param"] == "messages[0].content[1]"
     text = await http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2,
                                                          "messages": [{"role": "user", "content": "Hi"}]})
     assert text.status_code == 200 and text.json()["choices"][0]["message"]["content"]

@@ -65,6 +65,19 @@ async def test_chat_with_images_equals_transformers(http: httpx.AsyncClient, num
     assert body["usage"]["completion_tokens"] == NEW_TOKENS
 
 
+async def test_tokenize_counts_the_image_tokens_as_chat_usage_does(http: httpx.AsyncClient) -> None:
+    image = random_image(112, 84, seed=3)
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    response = await http.post("/tokenize", json={"model": MODEL_NAME, "add_generation_prompt": True,
+                                                  "messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["count"] == expected(content, [image])[1]
+    broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    messages = [{"role": "user", "content": broken}]
+    response = await http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages[0].content[0]"
+
+
 async def test_bad_image_is_a_400_and_the_engine_keeps_serving(http: httpx.AsyncClient) -> None:
     broken = [
         {"type": "text", "text": "Look"},
