@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import TYPE_CHECKING
 
 from nxdserve.errors import InvalidRequestError
@@ -21,6 +22,15 @@ class OutputKind(enum.Enum):
     DELTA = "delta"  # each output carries only what is new since the previous one
     CUMULATIVE = "cumulative"  # each output carries everything generated so far
     FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
+# The numeric fields ``validate`` checks the type of (None allowed where the field's default is None)
+# (numbers.Integral / Real: numpy's scalars count too)
+_NUMBER_FIELDS: dict[str, type] = {
+    "n": Integral, "temperature": Real, "top_p": Real, "top_k": Integral, "min_p": Real, "presence_penalty": Real,
+    "frequency_penalty": Real, "repetition_penalty": Real, "seed": Integral, "max_tokens": Integral,
+    "min_tokens": Integral, "logprobs": Integral, "prompt_logprobs": Integral, "truncate_prompt_tokens": Integral,
+}
 
 
 @dataclass
@@ -79,6 +89,12 @@ class SamplingParams:
 
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
+
+        for name, kind in _NUMBER_FIELDS.items():  # an embedding app's "0.5" is a typed error, not a TypeError
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                wanted = "an integer" if kind is Integral else "a number"
+                raise bad(name, f"{name} must be {wanted}, got {type(value).__name__} {value!r}.")
 
         if self.n < 1:
             raise bad("n", f"n must be at least 1, got {self.n}.")

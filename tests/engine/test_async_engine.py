@@ -153,6 +153,12 @@ async def test_bad_request_raises_typed_error_and_others_continue(engine: AsyncE
         engine.add_request("", _greedy(4))
     with pytest.raises(InvalidRequestError):
         engine.add_request([engine.vocab_size], _greedy(4))
+    for field, value in [("temperature", "0.5"), ("max_tokens", 4.0), ("seed", "7"), ("n", True)]:
+        bad = SamplingParams(max_tokens=4)
+        setattr(bad, field, value)
+        with pytest.raises(InvalidRequestError, match=field) as info:  # typed, naming it: not a TypeError
+            engine.add_request("Hi", bad)
+        assert info.value.param == field
     outs = await good
     assert outs[-1].outputs[0].finish_reason == "length"
 
