@@ -65,7 +65,7 @@ async def metrics(request: Request) -> Response:
     # gauges would keep showing the aborted requests. Refresh them from the live state per scrape.
     with contextlib.suppress(Exception):
         stats = engine.stats()
-        engine.metrics.record_step(stats.num_running, stats.num_waiting, stats.kv_cache_usage, 0, 0, 0)
+        engine.metrics.record_step(stats.num_running, stats.num_waiting, stats.kv_cache_usage, 0, 0)
     return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -34,7 +34,7 @@ class EngineMetricsSource(Protocol):
     @property
     def registry(self) -> CollectorRegistry: ...
 
-    def record_step(self, num_running: int, num_waiting: int, kv_usage: float, num_prefill: int,
+    def record_step(self, num_running: int, num_waiting: int, kv_usage: float,
                     num_generated: int, num_scheduled: int) -> None: ...
 
 

@@ -89,7 +89,7 @@ class NxdServeEngine:
         from prometheus_client import generate_latest
 
         stats = self.engine.stats()
-        self.engine.metrics.record_step(stats.num_running, stats.num_waiting, stats.kv_cache_usage, 0, 0, 0)
+        self.engine.metrics.record_step(stats.num_running, stats.num_waiting, stats.kv_cache_usage, 0, 0)
         return generate_latest(self.engine.metrics.registry).decode()
 
     async def _push_metrics(self) -> None:

@@ -100,6 +100,14 @@ class RequestStream:
         self.abort()
 
 
+# apply_chat_template's own arguments (and the template's messages): not template variables a request may set
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "tokenize", "add_generation_prompt", "continue_final_message", "tools", "documents",
+    "conversation", "messages", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -236,6 +244,13 @@ class AsyncEngine:
         from nxdserve.tools.flags import check_chat_template_flags
 
         check_chat_template_flags(add_generation_prompt, continue_final_message)
+        reserved = sorted(set(chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:  # else they would override the server's template or its own arguments, or fail inside it
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: these are the request's own fields or "
+                "the server's (--chat-template); the kwargs are the template's extra variables.",
+                param="chat_template_kwargs",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,

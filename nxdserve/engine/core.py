@@ -313,7 +313,7 @@ class EngineCore:
         self.num_finished_total += len(finished)
         if finished and self.metrics is not None:  # keep gauges true when the engine goes idle after aborts
             self.metrics.record_step(len(self.scheduler.running), len(self.scheduler.waiting),
-                                     self.kv_cache_usage, 0, 0, 0)
+                                     self.kv_cache_usage, 0, 0)
 
     @property
     def has_unfinished(self) -> bool:
@@ -403,7 +403,7 @@ class EngineCore:
         if self.metrics is not None:
             self.metrics.record_step(
                 len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache_usage,
-                sched.num_prefill_tokens, num_generated, sched.plan.total_tokens,
+                num_generated, sched.plan.total_tokens,
             )
             if sched.num_prefix_queried_tokens:
                 self.metrics.record_prefix_cache(sched.num_prefix_queried_tokens, sched.num_prefix_cached_tokens)

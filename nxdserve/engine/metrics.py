@@ -13,6 +13,9 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's 1-2-5 series for the per-request token counts (it stops at max_model_len; these at 2M tokens)
+_REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+_FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class EngineMetrics:
@@ -23,7 +26,8 @@ class EngineMetrics:
         self.num_running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
         self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot", labels, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV slots in use (0-1)", labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=r)
+        # Each request's prompt once (vLLM's meaning), whatever prefix caching or a preemption recomputed
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
         self.request_success = Counter(
             "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
@@ -40,6 +44,31 @@ class EngineMetrics:
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds", "Time waiting for a slot", labels, buckets=_LATENCY_BUCKETS,
             registry=r,
+        )
+        # Per finished request, as vLLM's (docs: the request_* histograms)
+        self.request_tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds", "Mean time per output token of a request", labels,
+            buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of a request", labels, buckets=_REQUEST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Tokens generated for a request", labels,
+            buckets=_REQUEST_TOKEN_BUCKETS, registry=r,
+        )
+        self.request_inference_time = Histogram(
+            "vllm:request_inference_time_seconds", "Time from first scheduled to finished", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.request_prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Time from first scheduled to first token", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.request_decode_time = Histogram(
+            "vllm:request_decode_time_seconds", "Time from first token to last token", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.iteration_tokens = Histogram(
             "vllm:iteration_tokens_total", "Tokens per engine step", labels, buckets=_ITERATION_TOKEN_BUCKETS,
@@ -88,16 +117,25 @@ class EngineMetrics:
         self._iteration_tokens, self._ttft, self._itl = (self.iteration_tokens.labels(m), self.ttft.labels(m),
                                                          self.itl.labels(m))
         self._e2e, self._queue_time = self.e2e.labels(m), self.queue_time.labels(m)
+        self._request_histograms = tuple(h.labels(m) for h in (
+            self.request_tpot, self.request_prompt_tokens, self.request_generation_tokens,
+            self.request_inference_time, self.request_prefill_time, self.request_decode_time))
+        # Counters read with rate() show 0, not "no data", before their first event (vLLM creates them too)
+        for reason in _FINISH_REASONS:
+            self.request_success.labels(m, reason)
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
+                        self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens):
+            counter.labels(m)
+        for pos in range(max_spec_tokens):
+            self.spec_accepted_per_pos.labels(m, str(pos))
         self.lora_info: Gauge | None = None  # created by the first record_lora (engines with --enable-lora)
         self._lora_key: tuple[str, str, str] | None = None
 
-    def record_step(self, num_running: int, num_waiting: int, kv_usage: float, num_prefill: int,
+    def record_step(self, num_running: int, num_waiting: int, kv_usage: float,
                     num_generated: int, num_scheduled: int) -> None:
         self._running.set(num_running)
         self._waiting.set(num_waiting)
         self._kv.set(kv_usage)
-        if num_prefill:
-            self._prompt_tokens.inc(num_prefill)
         if num_generated:
             self._generation_tokens.inc(num_generated)
         if num_scheduled:
@@ -147,6 +185,7 @@ class EngineMetrics:
             if last is None:
                 if metrics.ttft is not None:
                     self._ttft.observe(metrics.ttft)
+                self._prompt_tokens.inc(len(out.prompt_token_ids))
             else:
                 self._itl.observe(now - last)
             self._last_token_time[out.request_id] = now
@@ -157,3 +196,20 @@ class EngineMetrics:
             self._e2e.observe(now - metrics.arrival_time)
             if metrics.queue_time is not None:
                 self._queue_time.observe(metrics.queue_time)
+            self._record_request(out, now)
+
+    def _record_request(self, out: RequestOutput, now: float) -> None:
+        tpot, prompt_tokens, generation_tokens, inference, prefill, decode = self._request_histograms
+        metrics = out.metrics
+        generated = out.outputs[0].cumulative_num_tokens if out.outputs else 0
+        prompt_tokens.observe(len(out.prompt_token_ids))
+        generation_tokens.observe(generated)
+        scheduled, first, last = metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time
+        if scheduled is not None:
+            inference.observe((metrics.finished_time or now) - scheduled)
+            if first is not None:
+                prefill.observe(first - scheduled)
+        if first is not None and last is not None:
+            decode.observe(last - first)
+            if generated > 1:
+                tpot.observe((last - first) / (generated - 1))

@@ -25,6 +25,14 @@ VLLM_METRICS = [
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
     "vllm:iteration_tokens_total",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total",
 ]
 
 
@@ -65,6 +73,29 @@ async def test_metrics_names_and_labels(http: httpx.AsyncClient) -> None:
         assert all(f'model_name="{MODEL_NAME}"' in line for line in samples), name
     success = metric_samples(text, "vllm:request_success_total")
     assert any('finished_reason="length"' in line for line in success)
+    # every reason has a sample from the start (rate() reads 0, not "no data")
+    for reason in ("stop", "abort", "error"):
+        assert any(f'finished_reason="{reason}"' in line for line in success), reason
+
+
+async def test_per_request_histograms_agree_with_the_request(http: httpx.AsyncClient) -> None:
+    def value(text: str, sample: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + "{"))
+
+    before = (await http.get("/metrics")).text
+    r = await http.post("/v1/completions", json={"prompt": "Hello there, friend", "max_tokens": 5, "ignore_eos": True})
+    usage = r.json()["usage"]
+    after = (await http.get("/metrics")).text
+    for name, expected in [("vllm:request_prompt_tokens_sum", usage["prompt_tokens"]),
+                           ("vllm:request_generation_tokens_sum", 5), ("vllm:request_prompt_tokens_count", 1),
+                           ("vllm:request_time_per_output_token_seconds_count", 1),
+                           ("vllm:prompt_tokens_total", usage["prompt_tokens"])]:
+        assert value(after, name) - value(before, name) == expected, name
+    tpot = value(after, "vllm:request_time_per_output_token_seconds_sum") - value(
+        before, "vllm:request_time_per_output_token_seconds_sum")
+    decode = value(after, "vllm:request_decode_time_seconds_sum") - value(
+        before, "vllm:request_decode_time_seconds_sum")
+    assert tpot > 0 and abs(tpot * 4 - decode) < 1e-6  # the mean over the 4 gaps between 5 tokens
 
 
 async def test_tokenize_detokenize_roundtrip(http: httpx.AsyncClient) -> None:

@@ -108,6 +108,11 @@ PARAM_400 = [
     ("/v1/completions", {"structured_outputs": {"json_object": "false"}}, "structured_outputs"),
     ("/v1/completions", {"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": ["a"] * 300}, "prompt"),  # more prompts than choices a request may ask for
+    # a per-request template is refused as the chat_template field is, and the template call's own arguments
+    ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": "X{{ messages[0].content }}"}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
 ]
 
 

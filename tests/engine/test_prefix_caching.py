@@ -123,6 +123,7 @@ def test_reused_prefixes_give_the_same_tokens_on_the_model(chunked: bool) -> Non
     more = tokenize(plain, [" And then"])[0]
     turns = [p + o.outputs[0].token_ids + more for p, o in zip(prompts, first, strict=True)]
     queries0 = cached.metrics.prefix_cache_queries.labels(cached.metrics._model)._value.get()
+    prompt_tokens0 = cached.metrics.prompt_tokens.labels(cached.metrics._model)._value.get()
     again = run_to_completion(cached, prompts + turns, _greedy())
     reference = run_to_completion(plain, prompts + turns, _greedy())
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in reference]
@@ -131,3 +132,6 @@ def test_reused_prefixes_give_the_same_tokens_on_the_model(chunked: bool) -> Non
     queries = cached.metrics.prefix_cache_queries.labels(cached.metrics._model)._value.get() - queries0
     assert queries == sum(len(p) for p in prompts + turns)
     assert hits > 0
+    # vllm:prompt_tokens counts each request's whole prompt once, as usage does, however much was cached
+    prompt_tokens = cached.metrics.prompt_tokens.labels(cached.metrics._model)._value.get() - prompt_tokens0
+    assert prompt_tokens == sum(len(o.prompt_token_ids) for o in again) == sum(len(p) for p in prompts + turns)

@@ -128,7 +128,7 @@ class _EngineProcess:
                 logger.error("engine %d: the engine loop died (%s); exiting", self.index, engine.dead_error)
                 os._exit(3)
             stats = engine.stats()
-            engine.metrics.record_step(stats.num_running, stats.num_waiting, stats.kv_cache_usage, 0, 0, 0)
+            engine.metrics.record_step(stats.num_running, stats.num_waiting, stats.kv_cache_usage, 0, 0)
             text = generate_latest(engine.metrics.registry)
             self.send(("stats", stats, text.decode() if text != last_text else None))
             last_text = text
