@@ -176,6 +176,7 @@ typedef struct nxd_qgemm_args {
 void qgemm_f32(const nxd_qgemm_args* a);
 int qgemm_paired_available(void); /* 1 where the build has the paired rows for many rows of x */
 int qgemm_paired_max_rows(void);  /* the most rows of x an fp32 call takes on them (0: none) */
+int qgemm_i8_max_rows(void);  /* int8 activations serve calls of fewer rows of x than this; more: fp32 (0: all) */
 /* dst (N, K) fp32 = the weight of a's format (w, scale, offset, K, N, format, nthreads read), widened. */
 void q_widen_f32(const nxd_qgemm_args* a, float* dst);
 

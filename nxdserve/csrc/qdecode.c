@@ -61,7 +61,7 @@ static inline void qd_prepare(qd_input* in, const qd_linear* l, int int8_activat
                               int64_t T) {
     in->x = x;
     in->xs = xs;
-    in->i8 = int8_activations && (l->fmt == 0 || l->fmt == 1);
+    in->i8 = int8_activations && qi8_serves(l->fmt, T);
     if (in->i8) qi8_quantize_rows(x, T, xs, l->nb * QB, in->xq, in->xd, in->xds);
     else if (l->fmt == 0) q_block_sums(x, T, xs, l->nb, in->xsum);
 }

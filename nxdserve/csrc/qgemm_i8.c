@@ -353,8 +353,27 @@ static inline void qi8_two_rows(const uint8_t* w, int64_t row_bytes, const float
 #endif
 }
 
+/* Calls of this many rows of x or more take the fp32 kernels instead: in the AVX2 build, from where its paired
+   rows start (Q_PAIR_MIN), which hold their loads in registers. The default model's decode step with int8
+   activations (kernel_ab.py, this limit against none) took 0.985 / 0.90 / 0.98 / 0.90-0.93 / 0.89 / 0.90-0.91x
+   the time at 9 / 12 / 14 / 16 / 32 / 48 rows (perf_notes.md, "int8 activations give way to the paired rows").
+   0: no limit (the other builds: unmeasured). */
+#ifndef QI8_MAX_ROWS
+#if Q_PAIRS && defined(__AVX2__) && !defined(__AVX512F__)
+#define QI8_MAX_ROWS Q_PAIR_MIN
+#else
+#define QI8_MAX_ROWS 0
+#endif
+#endif
+int qgemm_i8_max_rows(void) { return QI8_MAX_ROWS; }
+
+/* Whether a call of M rows against codes of format fmt runs on int8 activations (fp8 codes have no integer form). */
+static inline int qi8_serves(int fmt, int64_t M) {
+    return (fmt == 0 || fmt == 1) && (QI8_MAX_ROWS == 0 || M < QI8_MAX_ROWS);
+}
+
 void qgemm_i8_f32(const nxd_qgemm_args* a) {
-    if (a->format != 0 && a->format != 1) {  /* fp8 codes have no integer form */
+    if (!qi8_serves(a->format, a->M)) {
         qgemm_f32(a);
         return;
     }

@@ -291,6 +291,14 @@ def kernel_rows() -> int:
     return cpu_kernels.built_value("qgemm_paired_max_rows")
 
 
+def int8_activation_rows() -> int:
+    """With ``int8_activations``, calls of fewer rows than this run on int8 activations and larger ones on the fp32
+    kernels (faster there: perf_notes.md); 0: every call (builds where that is unmeasured)."""
+    from nxdserve.engine.models import cpu_kernels
+
+    return cpu_kernels.built_value("qgemm_i8_max_rows")
+
+
 def _kernels_take(x: torch.Tensor) -> bool:
     """Whether the C kernels can take a call on ``x``: CPU, fp32 or bf16, no autograd, the kernels built."""
     if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
