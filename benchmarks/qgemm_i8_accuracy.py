@@ -36,13 +36,16 @@ from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
 
 
 def kernel_logits(ids: list[int]) -> dict[str, torch.Tensor]:
-    """The default model's logits with every row on the kernel, fp32 ("exact") and int8 ("int8") activations."""
+    """The default model's logits with every row on the kernel, fp32 ("exact") and int8 ("int8") activations.
+    Where the build keeps larger calls on fp32 activations (``quant.int8_activation_rows``), the text runs in
+    prefill chunks just under that limit, so that every call is one int8 activations serve."""
     model = default_model("gguf")
     out = {}
     for name, int8 in (("exact", False), ("int8", True)):
         cpu_setup.apply(CpuOptions(quant_dense_rows=0, quant_int8_activations=int8))
         assert quant.int8_activations == int8
-        out[name] = next_token_logits(model, ids)
+        limit = quant.int8_activation_rows()
+        out[name] = next_token_logits(model, ids, chunk=limit - 1 if limit else 0)
     cpu_setup.apply(CpuOptions())
     return out
 

@@ -26,12 +26,17 @@ FORMATS = ("bf16", "fp32", "int8", "fp8", "int4-g32", "int4-g64", "int4-g128", "
 
 
 @torch.inference_mode()
-def next_token_logits(model: LlamaFamilyModel, token_ids: list[int]) -> torch.Tensor:
-    """(T, vocab) fp32 logits of every position, the whole text as one prefill row."""
+def next_token_logits(model: LlamaFamilyModel, token_ids: list[int], chunk: int = 0) -> torch.Tensor:
+    """(T, vocab) fp32 logits of every position: the whole text as one prefill row, or (``chunk`` > 0) as
+    consecutive prefill chunks of that many tokens (calls of that many rows, as small decode batches run)."""
     n = len(token_ids)
     runner = SlotModelRunner(model, num_slots=1, max_len=n)
-    hidden = runner.run(torch.tensor(token_ids), np.array([0]), np.array([0]), np.array([n]))
-    return runner.logits(hidden)
+    parts = []
+    for start in range(0, n, chunk or n):
+        end = min(n, start + (chunk or n))
+        ids = torch.tensor(token_ids[start:end])
+        parts.append(runner.logits(runner.run(ids, np.array([0]), np.array([start]), np.array([end - start]))))
+    return torch.cat(parts)
 
 
 def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
