@@ -32,48 +32,28 @@ class EngineMetrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
         )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token", labels, buckets=_TTFT_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Inter-token latency", labels, buckets=_ITL_BUCKETS, registry=r
-        )
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end latency", labels, buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Time waiting for a slot", labels, buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=buckets, registry=r)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency", _LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time waiting for a slot", _LATENCY_BUCKETS)
         # Per finished request, as vLLM's (docs: the request_* histograms)
-        self.request_tpot = Histogram(
-            "vllm:request_time_per_output_token_seconds", "Mean time per output token of a request", labels,
-            buckets=_ITL_BUCKETS, registry=r,
-        )
-        self.request_prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens of a request", labels, buckets=_REQUEST_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens", "Tokens generated for a request", labels,
-            buckets=_REQUEST_TOKEN_BUCKETS, registry=r,
-        )
-        self.request_inference_time = Histogram(
-            "vllm:request_inference_time_seconds", "Time from first scheduled to finished", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.request_prefill_time = Histogram(
-            "vllm:request_prefill_time_seconds", "Time from first scheduled to first token", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.request_decode_time = Histogram(
-            "vllm:request_decode_time_seconds", "Time from first token to last token", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.iteration_tokens = Histogram(
-            "vllm:iteration_tokens_total", "Tokens per engine step", labels, buckets=_ITERATION_TOKEN_BUCKETS,
-            registry=r,
-        )
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Mean time per output token of a request", _ITL_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of a request",
+                                               _REQUEST_TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Tokens generated for a request", _REQUEST_TOKEN_BUCKETS)
+        self.request_inference_time = histogram("vllm:request_inference_time_seconds",
+                                                "Time from first scheduled to finished", _LATENCY_BUCKETS)
+        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                              "Time from first scheduled to first token", _LATENCY_BUCKETS)
+        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
+                                             "Time from first token to last token", _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step",
+                                          _ITERATION_TOKEN_BUCKETS)
         self.spec_num_drafts = Counter("vllm:spec_decode_num_drafts", "Draft rounds", labels, registry=r)
         self.spec_num_draft_tokens = Counter(
             "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", labels, registry=r

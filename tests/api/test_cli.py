@@ -153,28 +153,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
-def test_process_serves_then_drains_on_sigterm() -> None:
+def _start_server(*flags: str) -> tuple[subprocess.Popen[str], int, str]:
+    """A real ``nxdserve`` process on a free port: (process, port, its log up to the ready line)."""
     port = _free_port()
-    cmd = [
-        sys.executable, "-m", "nxdserve.cli", "--host", "127.0.0.1", "--port", str(port), "--backend", "torch",
-        "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--drain-timeout", "60",
-        "--served-model-name", "smol",
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "nxdserve.cli", "--host", "127.0.0.1", "--port", str(port), "--backend", "torch",
+           "--dtype", "float32", "--max-model-len", "256", *flags]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, "server exited:\n" + "".join(lines)
+        lines.append(line)
+        if line.startswith("nxdserve ready:"):
+            return proc, port, "".join(lines)
+    proc.kill()
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+@pytest.mark.slow
+def test_process_serves_then_drains_on_sigterm() -> None:
+    proc, port, log = _start_server("--max-num-seqs", "4", "--drain-timeout", "60", "--served-model-name", "smol")
     try:
-        assert proc.stdout is not None
-        lines = []
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "server exited:\n" + "".join(lines)
-            lines.append(line)
-            if line.startswith("nxdserve ready:"):
-                break
-        assert f"http://127.0.0.1:{port}/v1" in lines[-1]
-        log = "".join(lines)
+        assert f"http://127.0.0.1:{port}/v1" in log.splitlines()[-1]
         assert "effective configuration" in log and "backend=torch" in log
         body = {"model": "smol", "prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
@@ -193,32 +196,13 @@ def test_process_serves_then_drains_on_sigterm() -> None:
             proc.wait()
 
 
-def _start_server(*flags: str) -> tuple[subprocess.Popen[str], int]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "nxdserve.cli", "--host", "127.0.0.1", "--port", str(port), "--backend", "torch",
-           "--dtype", "float32", "--max-model-len", "256", *flags]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line, "server exited:\n" + "".join(lines)
-        lines.append(line)
-        if line.startswith("nxdserve ready:"):
-            return proc, port
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "".join(lines))
-
-
 @pytest.mark.slow
 def test_a_second_sigint_exits_without_running_the_queue() -> None:
     """The first Ctrl-C drains (up to --drain-timeout 300 here); the second aborts what is left and exits at once,
     rather than running every queued request to its end."""
     import threading
 
-    proc, port = _start_server("--max-num-seqs", "1", "--drain-timeout", "300")
+    proc, port, _ = _start_server("--max-num-seqs", "1", "--drain-timeout", "300")
     finishes: list[str | None] = []
     first_bytes = threading.Event()
 
