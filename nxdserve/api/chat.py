@@ -13,11 +13,11 @@ from starlette.responses import Response
 
 from nxdserve.api.chat_output import ChatOutputPlan
 from nxdserve.api.engine_protocol import EngineClient
-from nxdserve.api.errors import APIError, sse_error_frame
+from nxdserve.api.errors import APIError, sse_error_frame, with_request_names
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import TokenIdNames, chat_logprobs
 from nxdserve.api.multimodal import load_chat_images, require_image_support
-from nxdserve.api.params import build_sampling_params, check_chat, check_fan_out
+from nxdserve.api.params import build_sampling_params, chat_field_names, check_chat, check_fan_out
 from nxdserve.api.protocol import ChatCompletionRequest, ChatMessage
 from nxdserve.api.responses import (
     ChatChoice,
@@ -158,7 +158,13 @@ async def create_chat_completion(request: Request) -> Response | EventStreamResp
              for c, rid in zip(children, ids, strict=True)]
     state.log_request(response_id, [text], params)
     view = _ChatView(state, req, model, response_id, plan)
-    return await respond(request, engine, calls, view, bool(req.stream))
+    try:
+        return await respond(request, engine, calls, view, bool(req.stream))
+    except Exception as exc:  # the engine's admission errors name max_tokens: name what the client sent
+        renamed = with_request_names(exc, chat_field_names(req), chat_field_names(req))
+        if renamed is exc:
+            raise
+        raise renamed from exc
 
 
 @dataclass

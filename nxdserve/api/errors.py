@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -109,6 +111,22 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(str(exc) or "The request failed in the engine.", status=500)
     logger.exception("unhandled error in a request handler", exc_info=exc)
     return APIError(f"Internal server error: {type(exc).__name__}: {exc}", status=500)
+
+
+def with_request_names(exc: BaseException, params: Mapping[str, str], words: Mapping[str, str]) -> BaseException:
+    """``exc`` naming the fields the client sent: an endpoint built on another's request (chat's max_tokens for
+    max_completion_tokens, the Responses API on chat) renames ``param`` by ``params`` and whole words of the
+    message by ``words``. Anything but a request error comes back as it is."""
+    if not isinstance(exc, APIError | InvalidRequestError):
+        return exc
+    error = from_exception(exc)
+    param = params.get(error.param, error.param) if error.param is not None else None
+    message = error.message
+    for old, new in words.items():
+        message = re.sub(rf"\b{re.escape(old)}\b", new, message)
+    if param == error.param and message == error.message:
+        return exc
+    return APIError(message, status=error.status, param=param, headers=error.headers)
 
 
 async def handle_exception(request: Request, exc: Exception) -> Response:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nxdserve.api.errors import APIError
+from nxdserve.api.errors import APIError, with_request_names
 from nxdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionPrompt,
@@ -216,21 +216,19 @@ def build_sampling_params(
     try:
         params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     except InvalidRequestError as exc:
-        field = _request_field(req, exc.param)
-        if field is not None and exc.param is not None and field != exc.param:
-            raise InvalidRequestError(exc.message.replace(exc.param, field, 1), param=field) from None
-        raise
+        names = chat_field_names(req) if isinstance(req, ChatCompletionRequest) else {}
+        if isinstance(req, ChatCompletionRequest):
+            names = {"logprobs": "top_logprobs", **names}  # chat's top_logprobs is SamplingParams' logprobs
+        renamed = with_request_names(exc, names, names)
+        if renamed is exc:
+            raise
+        raise renamed from None
     return params
 
 
-def _request_field(req: CompletionRequest | ChatCompletionRequest, param: str | None) -> str | None:
-    """The request's own name for a SamplingParams field an error names (chat's top_logprobs is logprobs there)."""
-    if isinstance(req, ChatCompletionRequest):
-        if param == "logprobs":
-            return "top_logprobs"
-        if param == "max_tokens" and req.max_completion_tokens is not None:
-            return "max_completion_tokens"
-    return param
+def chat_field_names(req: ChatCompletionRequest) -> dict[str, str]:
+    """SamplingParams' or the engine's field names -> the ones this chat request sent (errors name those)."""
+    return {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}
 
 
 def check_fan_out(num_prompts: int, n: int) -> None:

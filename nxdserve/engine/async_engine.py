@@ -334,7 +334,7 @@ class AsyncEngine:
             token_ids = parsed.token_ids
         else:
             token_ids = self.encode(prompt_text, add_special_tokens) if prompt_text else []
-        if request_id is not None and request_id in self._streams:
+        if request_id is not None and self._in_flight(request_id):
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
         registry = core.lora
         if lora_request is not None and registry is None:
@@ -417,7 +417,7 @@ class AsyncEngine:
         prompt = await self.process_prompt(prompt, add_special_tokens)
         if params.n > 1:  # one engine request per choice (the core runs single sequences), merged
             base = request_id or uuid.uuid4().hex
-            if base in self._choice_ids:
+            if self._in_flight(base):  # its choices' ids are checked as they are added
                 raise InvalidRequestError(f"Request id {base!r} is already in flight.", param="request_id")
             streams: list[RequestStream] = []
             self._choice_ids[base] = [f"{base}-{i}" for i in range(params.n)]
@@ -464,6 +464,11 @@ class AsyncEngine:
         """Abort every request in flight (a drain cut short: the server's second Ctrl-C)."""
         for request_id in list(self._streams):
             self.abort(request_id)
+
+    def _in_flight(self, request_id: str) -> bool:
+        """Whether an id names a request or an n > 1 request's choice in flight: an id may name only one, or
+        an abort of it would end the others too."""
+        return request_id in self._streams or request_id in self._choice_ids
 
     # -- the loop ----------------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -22,16 +22,17 @@ from nxdserve.tools.jsonscan import skip_ws
 
 
 def _guarded(parse: Any, text: str, final: bool) -> ParsedOutput:
-    """``parse(text, final, calls)``, where ``calls`` collects the calls in order as they are read. A malformed call
-    ends the reading: the complete calls before it stand (a stream has already sent them: ``ToolCallStreamer``),
-    and a final parse makes the whole text content (vLLM's rule, so that nothing the model wrote is lost)."""
-    calls: list[ParsedCall] = []
+    """``parse(text, final, out)``, where ``out`` collects the content before the calls and the calls in order as
+    they are read. A malformed call ends the reading: that content and the complete calls before it stand (a
+    stream has already sent them: ``ToolCallStreamer``), and a final parse makes the whole text content (vLLM's
+    rule, so that nothing the model wrote is lost)."""
+    out = ParsedOutput(None)
     try:
-        return parse(text, final, calls)
+        return parse(text, final, out)
     except MalformedToolCall:
         if final:  # the calls a stream sends are those of the partial reading, so take them from it
             return ParsedOutput(text, complete_prefix(_guarded(parse, text, False).calls), malformed=True)
-        return ParsedOutput(None, complete_prefix(calls))  # hold the text until the end decides
+        return ParsedOutput(out.content, complete_prefix(out.calls))  # the rest waits until the end decides
 
 
 @register_tool_parser("hermes")
@@ -45,10 +46,13 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, out: ParsedOutput) -> ParsedOutput:
+        calls = out.calls
         first = text.find(self.START)
         if first < 0:
             return ParsedOutput(text if final else text[: len(text) - held_back(text, self.START)])
+        content = text[:first]
+        out.content = content if content.strip() else None
         pos = first
         while pos >= 0:
             body_start = pos + len(self.START)
@@ -65,8 +69,7 @@ class HermesToolParser(ToolParser):
             if close < 0:
                 break
             pos = text.find(self.START, close + len(self.END))
-        content = text[:first]
-        return ParsedOutput(content if content.strip() else None, calls)
+        return out
 
 
 @register_tool_parser("llama3_json")
@@ -80,7 +83,8 @@ class Llama3JsonToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, out: ParsedOutput) -> ParsedOutput:
+        calls = out.calls
         body = text.lstrip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG):]
@@ -119,11 +123,12 @@ class MistralToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, out: ParsedOutput) -> ParsedOutput:
+        calls = out.calls
         first = text.find(self.MARKER)
         if first < 0:
             return ParsedOutput(text if final else text[: len(text) - held_back(text, self.MARKER)])
-        content = text[:first] if text[:first].strip() else None
+        content = out.content = text[:first] if text[:first].strip() else None
         rest = text[first + len(self.MARKER):]
         i = skip_ws(rest, 0)
         if i < len(rest) and rest[i] == "[":
@@ -178,7 +183,8 @@ class PythonicToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, out: ParsedOutput) -> ParsedOutput:
+        calls = out.calls
         body = text.strip()
         if not body:
             return ParsedOutput(text if final and text else None)
@@ -193,7 +199,11 @@ class PythonicToolParser(ToolParser):
                 raise MalformedToolCall("not a list of calls")
             return ParsedOutput(None, [_pythonic_call(node) for node in tree.elts])
         for source in _complete_calls(body):
-            calls.append(_pythonic_call(ast.parse(source, mode="eval").body))
+            try:
+                tree = ast.parse(source, mode="eval").body
+            except SyntaxError as exc:
+                raise MalformedToolCall(str(exc)) from exc
+            calls.append(_pythonic_call(tree))
         return ParsedOutput(None, calls)
 
 
@@ -202,9 +212,11 @@ def _pythonic_call(node: ast.expr) -> ParsedCall:
         raise MalformedToolCall("expected name(keyword=value, ...)")
     try:
         arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-    except ValueError as exc:
-        raise MalformedToolCall(f"arguments must be literals: {exc}") from exc
-    return ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False))
+        # JSON has no bytes, sets or infinities: such an argument makes the call malformed, not a server error
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, SyntaxError, RecursionError) as exc:
+        raise MalformedToolCall(f"arguments must be JSON-like literals: {exc}") from exc
+    return ParsedCall(node.func.id, text)
 
 
 def _complete_calls(body: str) -> list[str]:
@@ -237,7 +249,8 @@ class RequiredToolCallsParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         return _guarded(self._parse, text, final)
 
-    def _parse(self, text: str, final: bool, calls: list[ParsedCall]) -> ParsedOutput:
+    def _parse(self, text: str, final: bool, out: ParsedOutput) -> ParsedOutput:
+        calls = out.calls
         i = skip_ws(text, 0)
         if i >= len(text):
             if final:

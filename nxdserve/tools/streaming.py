@@ -31,23 +31,27 @@ class ToolCallStreamer:
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """The new text's content delta and tool-call deltas."""
         self.text += delta
-        return self._diff(self.parser.parse(self.text, final=False))
+        return self._diff(self.parser.parse(self.text, final=False), final=False)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left once the text is complete: held-back content, the calls (or arguments) not yet sent."""
-        return self._diff(self.parser.parse(self.text, final=True))
+        return self._diff(self.parser.parse(self.text, final=True), final=True)
 
     @property
     def called(self) -> bool:
         return bool(self.calls)
 
-    def _diff(self, parsed: ParsedOutput) -> tuple[str, list[dict[str, Any]]]:
+    def _diff(self, parsed: ParsedOutput, final: bool) -> tuple[str, list[dict[str, Any]]]:
         content = ""
-        # Content is a prefix of the text: before the first call, or all of it once a call proved malformed
-        open_content = parsed.content is not None and (not self.calls or parsed.malformed)
-        if open_content and parsed.content is not None and len(parsed.content) > self.content_sent:
-            content = parsed.content[self.content_sent:]
-            self.content_sent = len(parsed.content)
+        # Content is a prefix of the text: before the first call, or all of it once a call proved malformed.
+        # Until a call's marker has come, its trailing whitespace waits for what follows (whitespace alone before
+        # a call is no content); once a call is seen, the content before it is settled.
+        settled = final or parsed.calls or parsed.content is None
+        visible = parsed.content if settled else parsed.content.rstrip()  # type: ignore[union-attr]
+        open_content = visible is not None and (not self.calls or parsed.malformed)
+        if open_content and visible is not None and len(visible) > self.content_sent:
+            content = visible[self.content_sent:]
+            self.content_sent = len(visible)
         deltas: list[dict[str, Any]] = []
         for index, call in enumerate(parsed.calls):
             if self.parser.streams_arguments:

@@ -99,6 +99,8 @@ async def test_chat_validation_400(http: httpx.AsyncClient, overrides: dict[str,
 PARAM_400 = [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": 10**7}, "max_completion_tokens"),  # the engine's check
+    ("/v1/chat/completions", {"max_completion_tokens": 2, "min_tokens": 5}, "min_tokens"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object", "schema": {"type": "integer"}}},
      "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
@@ -122,6 +124,8 @@ async def test_the_error_names_the_field_sent(http: httpx.AsyncClient, path: str
     base = OK if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     err = check_envelope(await http.post(path, json={**base, **overrides}), 400)
     assert err["param"] == param, err
+    if "max_completion_tokens" in overrides:  # the message names no field that was not sent
+        assert "max_tokens" not in err["message"], err
 
 
 async def test_malformed_and_non_json_bodies(http: httpx.AsyncClient) -> None:

@@ -106,6 +106,8 @@ async def test_store_false_is_not_kept(client: AsyncOpenAI) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "bogus": 1}}},
          "text"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 10**7}, "max_output_tokens"),  # the engine's length check, after planning
+        ({"input": "word " * 5000}, "input"),
         ({"frobnicate": 1}, "frobnicate"),
     ],
 )

@@ -317,3 +317,27 @@ def test_reasoning_text_and_calls_stream_as_the_whole_text_reads(chunk: int) -> 
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert added == done == [0, 1, 2]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+
+
+MALFORMED_AFTER_A_CALL = ('<think>x</think>Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
+                          '"days": 3}}</tool_call><tool_call>{"name": 1}</tool_call>')
+
+
+@pytest.mark.parametrize("text", [REASONING_TEXT, MALFORMED_AFTER_A_CALL, "\n\n" + REASONING_TEXT[30:]])
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_the_non_streamed_items_are_the_streamed_ones(text: str, chunk: int) -> None:
+    """The handler's non-streamed output (finished_items) against the stream's, item by item and in order."""
+    from nxdserve.api.responses_api.handlers import finished_items
+
+    plan = _reasoning_plan()
+    whole = OutputItems(EventWriter())
+    finished_items(whole, plan, text)
+    whole.finish("completed")
+    streamer, streamed = plan.streamer(), OutputItems(EventWriter())
+    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
+    for n, piece in enumerate(pieces):
+        streamed.chat_deltas(*streamer.feed(piece, final=n == len(pieces) - 1))
+    streamed.finish("completed")
+    assert _shape(streamed) == _shape(whole)
+    if text is MALFORMED_AFTER_A_CALL:  # the complete call stands; the whole text is content
+        assert [kind for kind, *_ in _shape(whole)] == ["reasoning", "message", "function_call", "message"]

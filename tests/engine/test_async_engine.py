@@ -129,6 +129,22 @@ async def test_aborting_an_n_request_by_its_own_id_ends_every_choice(engine: Asy
     assert out[-1].finished  # the id is free again
 
 
+async def test_an_id_names_one_request_or_choice_at_a_time(engine: AsyncEngine) -> None:
+    """An n > 1 request's id and its choices' ids (``x-0``, ...) are taken while it runs: another request under
+    one of them would be aborted with it."""
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=64, ignore_eos=True, output_kind=OutputKind.DELTA)
+    running = engine.generate("Tell me a long story.", params, request_id="x")
+    await running.__anext__()
+    for request_id, n in [("x", 1), ("x", 2), ("x-0", 2), ("x-1", 1)]:
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            if n == 1:
+                engine.add_request("Hi", _greedy(2), request_id=request_id)
+            else:
+                await engine.generate("Hi", SamplingParams(n=n, max_tokens=2), request_id=request_id).__anext__()
+    engine.abort("x")
+    assert [o async for o in running][-1].finished
+
+
 async def test_event_loop_stays_responsive_during_generation(engine: AsyncEngine) -> None:
     ticks = 0
     stop = asyncio.Event()

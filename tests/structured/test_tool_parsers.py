@@ -59,6 +59,13 @@ RECORDED: list[tuple[str, str, Any, list[tuple[str, dict[str, Any]]]]] = [
     ("pythonic", "[f(x=(1, 2), s='a)b')]", None, [("f", {"x": [1, 2], "s": "a)b"})]),
     ("pythonic", "It is sunny.", "It is sunny.", []),
     ("pythonic", "[get_weather(city=Paris)]", WHOLE, []),
+    ("pythonic", "[f(a=1 2)]", WHOLE, []),  # a syntax error
+    ("pythonic", '[f(a=b"x")]', WHOLE, []),  # literals JSON cannot hold
+    ("pythonic", "[f(a={1, 2})]", WHOLE, []),
+    ("pythonic", "[f(a=1e999)]", WHOLE, []),
+    ("pythonic", "[f(a={[1]: 2})]", WHOLE, []),
+    # whitespace before a call (Qwen3 after its thinking) is no content, streamed or not
+    ("hermes", '\n\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', None, [("f", {"a": 1})]),
     ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time(zone=CET)]', WHOLE, [("get_weather", WEATHER)]),
     # tool_choice "required" cut by max_tokens inside its third call: the two complete calls stand
     ("required", '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", '
@@ -129,9 +136,9 @@ def test_streamed_deltas_reassemble_to_the_non_streaming_result(
 
 def test_streamed_plain_text_is_all_content_and_holds_back_a_partial_marker() -> None:
     streamer = ToolCallStreamer(get_tool_parser("hermes"))
-    assert streamer.feed("Hello <tool") == ("Hello ", [])
-    assert streamer.feed("s are fun") == ("<tools are fun", [])
-    assert streamer.finish() == ("", [])
+    assert streamer.feed("Hello <tool") == ("Hello", [])  # the space waits for what follows it
+    assert streamer.feed("s are fun\n") == (" <tools are fun", [])
+    assert streamer.finish() == ("\n", [])
 
 
 def test_mistral_ids_are_nine_alphanumerics() -> None:

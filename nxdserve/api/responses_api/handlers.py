@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from nxdserve.api.chat import plan_chat_generation
 from nxdserve.api.chat_output import ChatOutputPlan
-from nxdserve.api.errors import APIError, from_exception
+from nxdserve.api.errors import APIError, from_exception, with_request_names
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.protocol import ChatCompletionRequest
 from nxdserve.api.responses_api.events import EventWriter, OutputItems, assistant_message, new_call_id
@@ -57,10 +57,7 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
     try:
         plan, prompt, params = await plan_chat_generation(engine, chat, state.max_logprobs)
     except Exception as exc:  # errors name this endpoint's fields, not the chat request's it was mapped onto
-        error = from_exception(exc)
-        if error.param in _CHAT_TO_RESPONSES:
-            raise APIError(error.message, status=error.status, param=_CHAT_TO_RESPONSES[error.param]) from exc
-        raise
+        _raise_renamed(exc)
     response_id = f"resp_{base_request_id(request)}"
     (request_id,) = engine_request_ids(request, response_id, 1)
     state.log_request(response_id, [prompt], params)
@@ -82,12 +79,35 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
     )
     view = _ResponsesView(state, skeleton, turn, plan)
     call = EngineCall(prompt, params, request_id, False, state.lora_for(model), priority=req.priority)
-    return await respond(request, engine, [call], view, bool(req.stream))
+    try:
+        return await respond(request, engine, [call], view, bool(req.stream))
+    except Exception as exc:  # the engine's admission errors (lengths) name chat's fields too
+        _raise_renamed(exc)
 
 
-# Chat's field -> the Responses field it was made from (handlers above)
+def finished_items(items: OutputItems, plan: ChatOutputPlan, text: str) -> None:
+    """A finished text's output items, read as a stream reads it: the same items in the same order as the
+    streamed response (a call before the text that follows a malformed one, say)."""
+    if plan.mode == "none" and plan.reasoning is None:
+        items.chat_message(*plan.message(text))
+        return
+    streamer = plan.streamer()
+    items.chat_deltas(*streamer.feed(text, final=False))
+    items.chat_deltas(*streamer.feed("", final=True))
+
+
+# Chat's field -> the Responses field it was made from (handlers above); the words renamed in messages too
 _CHAT_TO_RESPONSES = {"response_format": "text", "max_completion_tokens": "max_output_tokens",
                       "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+_CHAT_WORDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+               "response_format": "text.format"}
+
+
+def _raise_renamed(exc: Exception) -> NoReturn:
+    renamed = with_request_names(exc, _CHAT_TO_RESPONSES, _CHAT_WORDS)
+    if renamed is exc:
+        raise exc
+    raise renamed from exc
 
 
 async def retrieve_response(request: Request) -> Response:
@@ -150,7 +170,7 @@ class _ResponsesView:
     def response(self, states: Sequence[ChoiceState]) -> ResponseObject:
         st = states[0]
         items = self._items(EventWriter())  # its events are not sent
-        items.chat_message(*self.plan.message(st.text))
+        finished_items(items, self.plan, st.text)
         return self._finish(st, items)
 
     async def frames(self, streams: Sequence[Any]) -> AsyncIterator[str]:

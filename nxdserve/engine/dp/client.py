@@ -270,7 +270,7 @@ class DataParallelEngine:
         with its ``param``, as with one engine). The engine process checks again, backend specifics included."""
         facts = handle.facts
         assert facts is not None
-        if request_id in self._owner:
+        if self._in_flight(request_id):
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight.", param="request_id")
         stand_in = SimpleNamespace(
             scheduler=SimpleNamespace(requests={}, waiting=[]), vocab_size=facts.vocab_size, config=self.config,
@@ -351,6 +351,10 @@ class DataParallelEngine:
         """Abort every request in flight (a drain cut short: the server's second Ctrl-C)."""
         for request_id in list(self._owner):
             self.abort(request_id)
+
+    def _in_flight(self, request_id: str) -> bool:
+        """As AsyncEngine's: a request or an n > 1 request's choice in flight (read by the shared generate)."""
+        return request_id in self._owner or request_id in self._choice_ids
 
     # -- what the API reads --------------------------------------------------------------------------
     @property
