@@ -289,6 +289,16 @@ def _shape(items: OutputItems) -> list[tuple[Any, ...]]:
     return out
 
 
+def _streamed_items(plan: ChatOutputPlan, text: str, chunk: int) -> OutputItems:
+    """The items a stream builds from ``text`` arriving ``chunk`` characters at a time."""
+    streamer, streamed = plan.streamer(), OutputItems(EventWriter())
+    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
+    for n, piece in enumerate(pieces):
+        streamed.chat_deltas(*streamer.feed(piece, final=n == len(pieces) - 1))
+    streamed.finish("completed")
+    return streamed
+
+
 @pytest.mark.parametrize("chunk", [1, 7, len(REASONING_TEXT)])
 def test_reasoning_text_and_calls_stream_as_the_whole_text_reads(chunk: int) -> None:
     plan = _reasoning_plan()
@@ -299,11 +309,7 @@ def test_reasoning_text_and_calls_stream_as_the_whole_text_reads(chunk: int) -> 
                              ("message", ["Checking."], "completed"),
                              ("function_call", "get_weather", '{"city": "Paris", "days": 3}', "completed")]
 
-    streamer, streamed = plan.streamer(), OutputItems(EventWriter())
-    pieces = [REASONING_TEXT[i:i + chunk] for i in range(0, len(REASONING_TEXT), chunk)]
-    for n, piece in enumerate(pieces):
-        streamed.chat_deltas(*streamer.feed(piece, final=n == len(pieces) - 1))
-    streamed.finish("completed")
+    streamed = _streamed_items(plan, REASONING_TEXT, chunk)
     assert _shape(streamed) == _shape(whole)
     events = [json.loads(frame.split("\ndata: ", 1)[1]) for frame in streamed.drain()]
     for event in events:
@@ -333,11 +339,6 @@ def test_the_non_streamed_items_are_the_streamed_ones(text: str, chunk: int) -> 
     whole = OutputItems(EventWriter())
     finished_items(whole, plan, text)
     whole.finish("completed")
-    streamer, streamed = plan.streamer(), OutputItems(EventWriter())
-    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
-    for n, piece in enumerate(pieces):
-        streamed.chat_deltas(*streamer.feed(piece, final=n == len(pieces) - 1))
-    streamed.finish("completed")
-    assert _shape(streamed) == _shape(whole)
+    assert _shape(_streamed_items(plan, text, chunk)) == _shape(whole)
     if text is MALFORMED_AFTER_A_CALL:  # the complete call stands; the whole text is content
         assert [kind for kind, *_ in _shape(whole)] == ["reasoning", "message", "function_call", "message"]
