@@ -216,9 +216,9 @@ def build_sampling_params(
     try:
         params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     except InvalidRequestError as exc:
-        names = chat_field_names(req) if isinstance(req, ChatCompletionRequest) else {}
-        if isinstance(req, ChatCompletionRequest):
-            names = {"logprobs": "top_logprobs", **names}  # chat's top_logprobs is SamplingParams' logprobs
+        if not isinstance(req, ChatCompletionRequest):
+            raise
+        names = {"logprobs": "top_logprobs", **chat_field_names(req)}  # chat's top_logprobs is logprobs there
         renamed = with_request_names(exc, names, names)
         if renamed is exc:
             raise

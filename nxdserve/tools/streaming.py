@@ -46,10 +46,10 @@ class ToolCallStreamer:
         # Content is a prefix of the text: before the first call, or all of it once a call proved malformed.
         # Until a call's marker has come, its trailing whitespace waits for what follows (whitespace alone before
         # a call is no content); once a call is seen, the content before it is settled.
-        settled = final or parsed.calls or parsed.content is None
-        visible = parsed.content if settled else parsed.content.rstrip()  # type: ignore[union-attr]
-        open_content = visible is not None and (not self.calls or parsed.malformed)
-        if open_content and visible is not None and len(visible) > self.content_sent:
+        visible = parsed.content
+        if visible is not None and not (final or parsed.calls):
+            visible = visible.rstrip()
+        if visible is not None and (not self.calls or parsed.malformed) and len(visible) > self.content_sent:
             content = visible[self.content_sent:]
             self.content_sent = len(visible)
         deltas: list[dict[str, Any]] = []
