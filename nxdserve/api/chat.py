@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from nxdserve.api.chat_output import ChatOutputPlan
 from nxdserve.api.engine_protocol import EngineClient
-from nxdserve.api.errors import APIError, sse_error_frame, with_request_names
+from nxdserve.api.errors import APIError, raise_with_request_names, sse_error_frame
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.logprobs import TokenIdNames, chat_logprobs
 from nxdserve.api.multimodal import load_chat_images, require_image_support
@@ -161,10 +161,7 @@ async def create_chat_completion(request: Request) -> Response | EventStreamResp
     try:
         return await respond(request, engine, calls, view, bool(req.stream))
     except Exception as exc:  # the engine's admission errors name max_tokens: name what the client sent
-        renamed = with_request_names(exc, chat_field_names(req), chat_field_names(req))
-        if renamed is exc:
-            raise
-        raise renamed from exc
+        raise_with_request_names(exc, chat_field_names(req), chat_field_names(req))
 
 
 @dataclass

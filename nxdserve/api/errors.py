@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -127,6 +127,14 @@ def with_request_names(exc: BaseException, params: Mapping[str, str], words: Map
     if param == error.param and message == error.message:
         return exc
     return APIError(message, status=error.status, param=param, headers=error.headers)
+
+
+def raise_with_request_names(exc: BaseException, params: Mapping[str, str], words: Mapping[str, str]) -> NoReturn:
+    """Raise ``with_request_names(exc, ...)`` from ``exc``, or ``exc`` itself where nothing is renamed."""
+    renamed = with_request_names(exc, params, words)
+    if renamed is exc:
+        raise exc
+    raise renamed from exc
 
 
 async def handle_exception(request: Request, exc: Exception) -> Response:

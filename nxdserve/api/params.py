@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nxdserve.api.errors import APIError, with_request_names
+from nxdserve.api.errors import APIError, raise_with_request_names
 from nxdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionPrompt,
@@ -219,10 +219,7 @@ def build_sampling_params(
         if not isinstance(req, ChatCompletionRequest):
             raise
         names = {"logprobs": "top_logprobs", **chat_field_names(req)}  # chat's top_logprobs is logprobs there
-        renamed = with_request_names(exc, names, names)
-        if renamed is exc:
-            raise
-        raise renamed from None
+        raise_with_request_names(exc, names, names)
     return params
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from nxdserve.api.chat import plan_chat_generation
 from nxdserve.api.chat_output import ChatOutputPlan
-from nxdserve.api.errors import APIError, from_exception, with_request_names
+from nxdserve.api.errors import APIError, from_exception, raise_with_request_names
 from nxdserve.api.generation import ChoiceState, EngineCall, merge
 from nxdserve.api.protocol import ChatCompletionRequest
 from nxdserve.api.responses_api.events import EventWriter, OutputItems, assistant_message, new_call_id
@@ -57,7 +57,7 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
     try:
         plan, prompt, params = await plan_chat_generation(engine, chat, state.max_logprobs)
     except Exception as exc:  # errors name this endpoint's fields, not the chat request's it was mapped onto
-        _raise_renamed(exc)
+        raise_with_request_names(exc, _CHAT_TO_RESPONSES, _CHAT_WORDS)
     response_id = f"resp_{base_request_id(request)}"
     (request_id,) = engine_request_ids(request, response_id, 1)
     state.log_request(response_id, [prompt], params)
@@ -82,7 +82,7 @@ async def create_response(request: Request) -> Response | EventStreamResponse:
     try:
         return await respond(request, engine, [call], view, bool(req.stream))
     except Exception as exc:  # the engine's admission errors (lengths) name chat's fields too
-        _raise_renamed(exc)
+        raise_with_request_names(exc, _CHAT_TO_RESPONSES, _CHAT_WORDS)
 
 
 def finished_items(items: OutputItems, plan: ChatOutputPlan, text: str) -> None:
@@ -102,12 +102,6 @@ _CHAT_TO_RESPONSES = {"response_format": "text", "max_completion_tokens": "max_o
 _CHAT_WORDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                "response_format": "text.format"}
 
-
-def _raise_renamed(exc: Exception) -> NoReturn:
-    renamed = with_request_names(exc, _CHAT_TO_RESPONSES, _CHAT_WORDS)
-    if renamed is exc:
-        raise exc
-    raise renamed from exc
 
 
 async def retrieve_response(request: Request) -> Response:
