@@ -199,22 +199,29 @@ def test_fp8_kernel_reads_what_sdpa_reads(dtype: torch.dtype, name: str, monkeyp
     original = cpu_kernels.slot_attention_fp8
     monkeypatch.setattr(cpu_kernels, "slot_attention_fp8", lambda *a: calls.append(1) or original(*a))
 
-    def steps(runner: SlotModelRunner) -> torch.Tensor:
+    def steps(runner: SlotModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
         runner.run(toks[:40], np.array([1]), np.array([0]), np.array([40]))
         runner.run(toks[:9], np.array([3]), np.array([0]), np.array([9]))
         outs = [runner.run(toks[40:42], np.array([1, 3]), np.array([40, 9]), np.array([1, 1]))]
         outs.append(runner.run(toks[42:50], np.array([3, 1]), np.array([10, 41]), np.array([4, 4])))  # verify rows
-        return torch.cat(outs).float()
+        return torch.cat(outs).float(), runner.kv_cache.data.view(torch.uint8).clone()
 
     for calculate in (False, True):
         calls.clear()
-        kernel = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype=name, calculate_kv_scales=calculate))
+        kernel, kernel_codes = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype=name, calculate_kv_scales=calculate))
         assert calls  # the kernel ran
         with monkeypatch.context() as m:
             m.setattr(cpu_kernels, "supports_fp8", lambda q, k: False)
-            sdpa = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype=name, calculate_kv_scales=calculate))
+            sdpa, sdpa_codes = steps(SlotModelRunner(model, 4, 64, kv_cache_dtype=name, calculate_kv_scales=calculate))
         if dtype == torch.float32:
-            torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-5)
+            # The paths' fp32 sums differ in rounding (~1e-6), so a later layer's value that lies on a rounding
+            # boundary of the format can take the neighbouring code (seen once with e5m2 and calculated scales
+            # on the AVX512 build): only such flips, and rows reading one differ by more than rounding.
+            flipped = kernel_codes != sdpa_codes
+            assert int(flipped.sum()) <= 2
+            steps_apart = (kernel_codes[flipped].int() - sdpa_codes[flipped].int()).abs()
+            assert torch.all(steps_apart == 1)
+            torch.testing.assert_close(kernel, sdpa, rtol=1e-5, atol=1e-5 if not flipped.any() else 2e-3)
         else:  # bf16 roundings differ between the paths: measured ~1% of the magnitude, as with an auto cache
             torch.testing.assert_close(kernel, sdpa, rtol=0.05, atol=0.1)
             assert float((kernel - sdpa).abs().mean()) < 0.02 * float(sdpa.abs().mean())
