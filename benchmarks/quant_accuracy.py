@@ -2,9 +2,10 @@
 
 For each format in ``perplexity.FORMATS`` (the dense bf16 and fp32 models, and the fp32 model quantized with
 each online ``--quantization`` method and with ``gguf``, as served: PyTorch's weight-only kernels get bf16
-activations), computes the logits over the shipped sample ``benchmarks/data/ppl_sample.txt`` in one prefill
-and reports its perplexity, the change against the bf16 model's (the issue's reference) and the fp32 model's,
-and the teacher-forced greedy (top-1) agreement with each. Prints a table and writes JSON.
+activations), computes the logits over each shipped sample text (``perplexity.SAMPLES``, one prefill each)
+and reports their pooled perplexity, the change against the bf16 model's (the issue's reference) and the fp32
+model's, the change per text against bf16 (how noisy one text is), and the teacher-forced greedy (top-1)
+agreement with each. Prints a table and writes JSON.
 
 Besides the served formats, ``EXTRA`` builds the 4-bit groups 64 / 128 three other ways for comparison in the
 same run: ``-plain``, the calibration-free search (``quant.quantize_int4``), ``-imatrix``, the activation-weighted
@@ -27,11 +28,12 @@ import torch
 from nxdserve.engine.models import gptq, imatrix, quant
 from nxdserve.engine.models.perplexity import (
     FORMATS,
+    SAMPLES,
     _dense_default_model,
-    format_logits,
     next_token_logits,
     perplexity,
-    sample_token_ids,
+    sample_texts,
+    texts_logits,
     top1_agreement,
 )
 from nxdserve.model_files import resolve_model
@@ -42,7 +44,7 @@ EXTRA = (
 )  # fmt: skip
 
 
-def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
+def extra_logits(fmt: str, texts: list[list[int]]) -> list[torch.Tensor]:
     """The logits of an ``EXTRA`` format: the fp32 default model's decoder linears quantized that way."""
     group = int(fmt.split("-")[1][1:])
     model = copy.deepcopy(_dense_default_model(torch.float32))
@@ -54,7 +56,7 @@ def extra_logits(fmt: str, ids: list[int]) -> torch.Tensor:
         imatrix.quantize_model_imatrix(model, group, resolve_model(None))
     else:
         model.quantize_linears(lambda name, w: None if name == "lm_head" else quant.quantize_int4(w, group))
-    return next_token_logits(model, ids)
+    return [next_token_logits(model, ids) for ids in texts]
 
 
 def main() -> None:
@@ -62,29 +64,37 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + EXTRA)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    ids = sample_token_ids()
-    logits: dict[str, torch.Tensor] = {}
+    texts = sample_texts()
+    logits: dict[str, list[torch.Tensor]] = {}
     seconds: dict[str, float] = {}
-    print(f"default model, {len(ids)} tokens of benchmarks/data/ppl_sample.txt")
-    header = ("format", "ppl", "vs bf16", "vs fp32", "top1=bf16", "top1=fp32", "build+run s")
+    names = ", ".join(f"{path.name} ({len(ids)})" for path, ids in zip(SAMPLES, texts, strict=True))
+    print(f"default model, {sum(map(len, texts))} tokens of benchmarks/data/{{{names}}}")
+    header = ("format", "ppl", "vs bf16", "vs fp32", "top1=bf16", "top1=fp32", "build+run s", "per text vs bf16")
     print(f"{header[0]:10s}", *(f"{h:>9s}" for h in header[1:]), flush=True)
     rows = []
     for fmt in dict.fromkeys(["bf16", "fp32", *args.formats]):  # the two references first
         start = time.perf_counter()
-        logits[fmt] = extra_logits(fmt, ids) if fmt in EXTRA else format_logits(fmt, ids)
+        logits[fmt] = extra_logits(fmt, texts) if fmt in EXTRA else texts_logits(fmt, texts)
         seconds[fmt] = time.perf_counter() - start
         if fmt == "bf16":
             continue
         for done in ["bf16", fmt] if fmt == "fp32" else [fmt]:  # bf16's row needs fp32's logits
-            rows.append(_row(done, logits, ids, seconds[done]))
+            rows.append(_row(done, logits, texts, seconds[done]))
             print(_line(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tokens": len(ids), "sample": "benchmarks/data/ppl_sample.txt", "rows": rows}, f, indent=2)
+            samples = {f"benchmarks/data/{path.name}": len(ids) for path, ids in zip(SAMPLES, texts, strict=True)}
+            json.dump({"tokens": sum(map(len, texts)), "samples": samples, "rows": rows}, f, indent=2)
 
 
-def _row(fmt: str, logits: dict[str, torch.Tensor], ids: list[int], seconds: float) -> dict[str, float | str]:
-    ppl, bf16, fp32 = (perplexity(logits[f], ids) for f in (fmt, "bf16", "fp32"))
+def _row(
+    fmt: str, logits: dict[str, list[torch.Tensor]], texts: list[list[int]], seconds: float
+) -> dict[str, float | str | list[float]]:
+    ppl, bf16, fp32 = (perplexity(logits[f], texts) for f in (fmt, "bf16", "fp32"))
+    per_text = [
+        perplexity(mine, ids) / perplexity(ref, ids) - 1
+        for mine, ref, ids in zip(logits[fmt], logits["bf16"], texts, strict=True)
+    ]
     return {
         "format": fmt,
         "perplexity": ppl,
@@ -93,12 +103,16 @@ def _row(fmt: str, logits: dict[str, torch.Tensor], ids: list[int], seconds: flo
         "top1_agreement_bf16": top1_agreement(logits[fmt], logits["bf16"]),
         "top1_agreement_fp32": top1_agreement(logits[fmt], logits["fp32"]),
         "seconds": seconds,
+        "delta_vs_bf16_per_text": per_text,
     }
 
 
-def _line(row: dict[str, float | str]) -> str:
+def _line(row: dict[str, float | str | list[float]]) -> str:
     cells = [f"{row['perplexity']:9.3f}", f"{row['delta_vs_bf16']:+9.2%}", f"{row['delta_vs_fp32']:+9.2%}"]
     cells += [f"{row['top1_agreement_bf16']:9.3f}", f"{row['top1_agreement_fp32']:9.3f}", f"{row['seconds']:9.1f}"]
+    per_text = row["delta_vs_bf16_per_text"]
+    assert isinstance(per_text, list)
+    cells.append(" / ".join(f"{d:+.2%}" for d in per_text))
     return f"{row['format']:10s} " + " ".join(cells)
 
 
