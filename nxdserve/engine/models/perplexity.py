@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ def perplexity(logits: torch.Tensor | list[torch.Tensor], token_ids: list[int] |
     """exp(mean negative log-likelihood) of tokens 1.. given the logits of positions 0..T-2: of one text, or
     pooled over several (a list of each, every token weighing the same)."""
     logits_list = logits if isinstance(logits, list) else [logits]
-    texts = token_ids if isinstance(logits, list) else [token_ids]
+    texts = cast(list[list[int]], token_ids) if isinstance(logits, list) else [cast(list[int], token_ids)]
     if len(logits_list) != len(texts):
         raise ValueError(f"{len(logits_list)} logits for {len(texts)} texts")
     nll = []
