@@ -80,6 +80,13 @@ class SlotKVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def layout(self) -> tuple[int, tuple[int, ...]]:
+        """Where the cache lies and its shape: what a table of per-layer pointers into it depends on. The address
+        alone is not enough: a freed cache's address comes back for the next one, whose layers may start elsewhere
+        (a table keyed on it wrote K/V past a shorter cache's end: heap corruption, seen as aborts in malloc)."""
+        return self.data.data_ptr(), tuple(self.data.shape)
+
 
 @dataclass
 class _BatchedRows:

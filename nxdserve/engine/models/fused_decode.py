@@ -46,8 +46,9 @@ def silu_table() -> torch.Tensor:
     return torch.cat((F.silu(every_value).view(torch.int16), torch.zeros(1, dtype=torch.int16)))
 
 
-# (cache, weights' version, compression): the C pointer table and the layers' windows
-_LayerTable = tuple[tuple[int, int, bool], "ctypes.Array[ctypes.c_void_p]", "ctypes.Array[ctypes.c_int64]"]
+# (cache layout, weights' version, compression): the C pointer table and the layers' windows
+_TableKey = tuple[tuple[int, tuple[int, ...]], int, bool]
+_LayerTable = tuple[_TableKey, "ctypes.Array[ctypes.c_void_p]", "ctypes.Array[ctypes.c_int64]"]
 
 
 def _dense_bf16(weight: torch.Tensor | QuantLinear) -> bool:
@@ -137,7 +138,7 @@ class FusedDecode:
         # replaced by quantized ones.
         qkv = self.layers[0].qkv_weight
         weights = qkv._version if isinstance(qkv, torch.Tensor) else -id(qkv)
-        key = (kv_cache.data.data_ptr(), weights, gemm.compression)
+        key = (kv_cache.layout, weights, gemm.compression)
         if self._table is None or self._table[0] != key:
             pointers: list[int | None] = []
             windows: list[int] = []

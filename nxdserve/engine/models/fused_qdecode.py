@@ -61,7 +61,7 @@ def _one_token_rows(meta: AttentionMetadata) -> bool:
 class _LayerTable:
     """The C pointer table of a stack against one KV cache, and what it keeps alive."""
 
-    def __init__(self, key: tuple[int, ...], pointers: list[int | None], formats: list[int], windows: list[int]):
+    def __init__(self, key: tuple[object, ...], pointers: list[int | None], formats: list[int], windows: list[int]):
         self.key = key
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         self.formats = (ctypes.c_int32 * len(formats))(*formats)
@@ -165,7 +165,7 @@ class FusedQuantDecode:
     def _layer_table(self, kv_cache: SlotKVCache) -> _LayerTable:
         # The weights' key as accepts() (which every run follows, in the same forward) last checked it.
         assert self._weights_key is not None and self._weights_ok, "run() without accepts()"
-        key = (kv_cache.data.data_ptr(), *self._weights_key)
+        key = (kv_cache.layout, *self._weights_key)
         if self._table is None or self._table.key != key:
             pointers: list[int | None] = []
             formats: list[int] = []

@@ -1,0 +1,62 @@
+"""The fused forwards' pointer tables (``fused_decode``, ``fused_qdecode``) follow the KV cache they are given.
+
+A table holds each layer's K/V base, so it is rebuilt for another cache. Keyed on the cache's address alone, it
+was reused for a new cache that got a freed one's address with another shape (a runner per text of its own length,
+as the perplexity tools make): the forward wrote K/V at the old layout's layer offsets, past the new cache's end,
+and corrupted the heap (aborts in malloc on an AVX512-BF16 machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxdserve.engine.models import cpu_kernels, fused_decode, fused_qdecode, quant
+from nxdserve.engine.models.attention import SlotKVCache
+from nxdserve.engine.models.llama import LlamaFamilyModel
+from tests.helpers.tiny_model import slot_meta, tiny_model_path
+
+PROMPT = 6
+
+
+def _model(kind: str) -> LlamaFamilyModel:
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    model = LlamaFamilyModel.from_pretrained(tiny_model_path("llama"), dtype, torch.device("cpu"), 64)
+    if kind == "int8":
+        quant.quantize_model(model, "int8")
+    return model
+
+
+def _at_same_address(cache: SlotKVCache, model: LlamaFamilyModel, max_len: int) -> SlotKVCache:
+    """A zeroed cache of ``max_len`` positions whose data starts where ``cache``'s does (as a new cache can once
+    the old one is freed): its layers start at other offsets."""
+    other = model.new_kv_cache(1, max_len)
+    other.data = cache.data.view(-1)[: other.data.numel()].view(other.data.shape).zero_()
+    assert other.layout != cache.layout and other.data.data_ptr() == cache.data.data_ptr()
+    return other
+
+
+def _steps(model: LlamaFamilyModel, cache: SlotKVCache, max_len: int) -> torch.Tensor:
+    """A prompt, then one decode step (the step the fused forwards take on every build that has them)."""
+    torch.manual_seed(3)
+    prompt = torch.randint(0, model.vocab_size, (PROMPT + 1,))
+    with torch.inference_mode():
+        model(prompt[:PROMPT], slot_meta(model, [0], [0], [PROMPT], max_len), cache)
+        return model(prompt[PROMPT:], slot_meta(model, [0], [PROMPT], [1], max_len), cache)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_cache_at_a_freed_caches_address_gets_its_own_table(kind: str) -> None:
+    fused = fused_decode.available() if kind == "bf16" else cpu_kernels.available() and fused_qdecode.enabled
+    if not fused:
+        pytest.skip(f"no fused {kind} forward on this machine")
+    model = _model(kind)
+    first = model.new_kv_cache(1, 64)
+    _steps(model, first, 64)  # builds the table for the 64-position layout
+    reused = _at_same_address(first, model, 16)
+    got = _steps(model, reused, 16)
+    fresh = model.new_kv_cache(1, 16)
+    want = _steps(model, fresh, 16)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for layer in range(len(model.layers)):  # every layer's K/V where this cache's layout puts them
+        for got_kv, want_kv in zip(reused.layer(layer), fresh.layer(layer), strict=True):
+            assert torch.equal(got_kv, want_kv), layer
