@@ -357,7 +357,8 @@ static inline void qi8_two_rows(const uint8_t* w, int64_t row_bytes, const float
    rows start (Q_PAIR_MIN), which hold their loads in registers. The default model's decode step with int8
    activations (kernel_ab.py, this limit against none) took 0.985 / 0.90 / 0.98 / 0.90-0.93 / 0.89 / 0.90-0.91x
    the time at 9 / 12 / 14 / 16 / 32 / 48 rows (perf_notes.md, "int8 activations give way to the paired rows").
-   0: no limit (the other builds: unmeasured). */
+   0: no limit. The AVX512 build measured the other way on a Zen 5 EPYC: the same limit there took 1.04 / 1.27 /
+   1.28x the time at 9 / 16 / 32 rows (perf_notes.md, session 24), so it has none; NEON and generic: unmeasured. */
 #ifndef QI8_MAX_ROWS
 #if Q_PAIRS && defined(__AVX2__) && !defined(__AVX512F__)
 #define QI8_MAX_ROWS Q_PAIR_MIN

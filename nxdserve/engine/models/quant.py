@@ -293,7 +293,8 @@ def kernel_rows() -> int:
 
 def int8_activation_rows() -> int:
     """With ``int8_activations``, calls of fewer rows than this run on int8 activations and larger ones on the fp32
-    kernels (faster there: perf_notes.md); 0: every call (builds where that is unmeasured)."""
+    kernels (faster there: perf_notes.md); 0: every call (the AVX512 build, where int8 stays faster, and the builds
+    where that is unmeasured)."""
     from nxdserve.engine.models import cpu_kernels
 
     return cpu_kernels.built_value("qgemm_i8_max_rows")
