@@ -59,7 +59,8 @@ def _one_token_rows(meta: AttentionMetadata) -> bool:
 
 
 class _LayerTable:
-    """The C pointer table of a stack against one KV cache, and what it keeps alive."""
+    """The C pointer table of a stack against one KV cache (ctypes arrays; it keeps no tensor alive: the key,
+    the cache's layout and the weights' ids, is checked against the live objects before each use)."""
 
     def __init__(self, key: tuple[object, ...], pointers: list[int | None], formats: list[int], windows: list[int]):
         self.key = key
