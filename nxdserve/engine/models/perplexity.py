@@ -67,19 +67,19 @@ def top1_agreement(logits: torch.Tensor | list[torch.Tensor], reference: torch.T
     return float((got.argmax(-1) == ref.argmax(-1)).float().mean())
 
 
-def sample_texts() -> list[list[int]]:
+def sample_texts(paths: tuple[Path, ...] = SAMPLES) -> list[list[int]]:
     """Each shipped sample text (``SAMPLES``), tokenized with the default model's tokenizer."""
     from transformers import AutoTokenizer
 
     from nxdserve.model_files import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
-    return [list(tokenizer(path.read_text())["input_ids"]) for path in SAMPLES]
+    return [list(tokenizer(path.read_text())["input_ids"]) for path in paths]
 
 
 def sample_token_ids() -> list[int]:
     """The first shipped sample text alone (``SAMPLE``), tokenized with the default model's tokenizer."""
-    return sample_texts()[0]
+    return sample_texts((SAMPLE,))[0]
 
 
 @functools.cache
