@@ -60,3 +60,77 @@ def test_a_cache_at_a_freed_caches_address_gets_its_own_table(kind: str) -> None
     for layer in range(len(model.layers)):  # every layer's K/V where this cache's layout puts them
         for got_kv, want_kv in zip(reused.layer(layer), fresh.layer(layer), strict=True):
             assert torch.equal(got_kv, want_kv), layer
+
+
+# The table also reads the layers' weights through pointers (the bf16 forward: each weight's packed copy, rebuilt
+# by gemm.kept after an in-place write). Keyed on the first layer's weight alone, it missed a later layer's
+# weight written in place or replaced, and a bias set on a later layer: the forward read the old values, or
+# memory freed since.
+
+
+def _step_against_layer_path(model: LlamaFamilyModel, cache: SlotKVCache) -> None:
+    """A step into ``cache`` (the same one each time: the table's key stays that cache's) equals the layer path's."""
+    got = _steps(model, cache, 64)
+    try:
+        fused_decode.enabled = fused_qdecode.enabled = False
+        want = _steps(model, model.new_kv_cache(1, 64), 64)
+    finally:
+        fused_decode.enabled = fused_qdecode.enabled = True
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _fused_or_skip(kind: str) -> tuple[LlamaFamilyModel, SlotKVCache]:
+    fused = fused_decode.available() if kind == "bf16" else cpu_kernels.available() and fused_qdecode.enabled
+    if not fused:
+        pytest.skip(f"no fused {kind} forward on this machine")
+    model = _model(kind)
+    cache = model.new_kv_cache(1, 64)
+    _step_against_layer_path(model, cache)  # the table is built
+    return model, cache
+
+
+def test_a_later_layers_weight_written_in_place_is_read_again() -> None:
+    model, cache = _fused_or_skip("bf16")
+    with torch.no_grad():
+        model.layers[-1].down_weight.mul_(-2.0)
+    _step_against_layer_path(model, cache)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_later_layers_replaced_weight_is_read(kind: str) -> None:
+    model, cache = _fused_or_skip(kind)
+    last = model.layers[-1]
+    old = last.down_weight
+    dense = old.dequantize(torch.float32) if isinstance(old, quant.QuantLinear) else old.detach().float()
+    last.down_weight = None
+    del old
+    replaced = -2.0 * dense
+    last.down_weight = (
+        quant.quantize(replaced, kind)
+        if kind != "bf16"
+        else torch.nn.Parameter(replaced.to(torch.bfloat16), requires_grad=False)
+    )
+    _step_against_layer_path(model, cache)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_bias_set_on_a_later_layer_is_read(kind: str) -> None:
+    model, cache = _fused_or_skip(kind)
+    last = model.layers[-1]
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    torch.manual_seed(5)
+    last.o_bias = torch.nn.Parameter(torch.randn(model.spec.hidden_size, dtype=dtype), requires_grad=False)
+    _step_against_layer_path(model, cache)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_the_table_keeps_the_objects_its_key_names_alive(kind: str) -> None:
+    """The key holds object ids: were a replaced linear freed while the table lives, a new one could take its
+    id, and with it the old table and its pointers into freed memory."""
+    import weakref
+
+    model, _ = _fused_or_skip(kind)
+    last = model.layers[-1]
+    replaced = weakref.ref(last.down_weight)
+    last.down_weight = None  # no fused forward can run now; the table is the only holder left
+    assert replaced() is not None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.models import cpu_kernels, gemm, quant
+from nxdserve.engine.models import cpu_kernels, gemm, module_swaps, quant
 from nxdserve.engine.models.attention import AttentionMetadata, SlotKVCache
 from nxdserve.engine.models.quant import QuantLinear
 
@@ -46,9 +46,19 @@ def silu_table() -> torch.Tensor:
     return torch.cat((F.silu(every_value).view(torch.int16), torch.zeros(1, dtype=torch.int16)))
 
 
-# (cache layout, weights' version, compression): the C pointer table and the layers' windows
-_TableKey = tuple[tuple[int, tuple[int, ...]], int, bool]
-_LayerTable = tuple[_TableKey, "ctypes.Array[ctypes.c_void_p]", "ctypes.Array[ctypes.c_int64]"]
+_Sources = tuple["torch.Tensor | QuantLinear | None", ...]
+_PACKED = (1, 3, 6, 8)  # the weight matrices among a layer's ``_LayerSources``; norms and biases stay as they are
+
+
+class _LayerTable:
+    """The C pointer table of a stack against one KV cache, and the layers' windows. It holds every tensor it points
+    into but the cache (whose address and shape are in its key), so no pointer in it can outlive its memory."""
+
+    def __init__(self, key: tuple[object, ...], pointers: list[int | None], windows: list[int], held: list[object]):
+        self.key = key
+        self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        self.windows = (ctypes.c_int64 * len(windows))(*windows)
+        self.held = held
 
 
 def _dense_bf16(weight: torch.Tensor | QuantLinear) -> bool:
@@ -91,6 +101,13 @@ class FusedDecode:
             and spec.num_heads // spec.num_kv_heads <= cpu_kernels.MAX_GROUP
         )
         self._table: _LayerTable | None = None
+        # The objects the table reads, per layer (``_layer_sources``), looked up again only after a decoder module's
+        # attribute was assigned (module_swaps): their ids, windows, and the dense weights whose versions a step
+        # compares (an in-place write rebuilds their packed copies, gemm.kept).
+        self._swaps_seen = -1
+        self._sources: list[_Sources] = []
+        self._sources_key: tuple[object, ...] = ()
+        self._versioned: tuple[torch.Tensor, ...] = ()
         self._buffers: list[torch.Tensor | None] = [None, None]
         # A bf16 model with quantized linears: its steps of more than this many tokens read the dense copies
         # (None: ``quant.dense_rows``, the layers' own switch). Set from a measurement at warm-up
@@ -133,43 +150,62 @@ class FusedDecode:
             and self.layers[0].post_norm.weight.device.type == "cpu"
         )
 
-    def _layer_table(self, kv_cache: SlotKVCache) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int64]]:
-        # Rebuilt for another cache, or when the weights were written again (loading bumps every version) or
-        # replaced by quantized ones.
-        qkv = self.layers[0].qkv_weight
-        weights = qkv._version if isinstance(qkv, torch.Tensor) else -id(qkv)
-        key = (kv_cache.layout, weights, gemm.compression)
-        if self._table is None or self._table[0] != key:
+    def _layer_sources(self, layer: DecoderLayer) -> _Sources:
+        """What a layer's table entry reads, in the C forward's order: norms and biases as they are, the weight
+        matrices (``_PACKED``) as dense tensors or QuantLinears (whose dense copies it reads)."""
+        return (
+            getattr(layer.input_norm, "weight", None),  # an EAGLE head may have none (Identity)
+            layer.qkv_weight,
+            layer.qkv_bias,
+            layer.o_weight,
+            layer.o_bias,
+            layer.post_norm.weight,
+            layer.gate_up_weight,
+            layer.gate_up_bias,
+            layer.down_weight,
+            layer.down_bias,
+        )
+
+    def _table_key(self, kv_cache: SlotKVCache) -> tuple[object, ...]:
+        """Equal only while every pointer of the table is still right: the same cache layout, the same objects in
+        the layers (held by the table, so their ids cannot be reused), the same windows, the dense weights not
+        written since (their version counters: ~60 ns each, ~7 us a step for SmolLM2's 120), the same compression."""
+        swaps = module_swaps.generation()
+        if swaps != self._swaps_seen:
+            self._sources = [self._layer_sources(layer) for layer in self.layers]
+            windows = tuple(layer.window or 0 for layer in self.layers)
+            self._sources_key = (tuple(id(o) for parts in self._sources for o in parts), windows)
+            self._versioned = tuple(
+                w for parts in self._sources for j in _PACKED if isinstance(w := parts[j], torch.Tensor)
+            )
+            self._swaps_seen = swaps
+        versions = tuple(w._version for w in self._versioned)
+        return (kv_cache.layout, self._sources_key, versions, gemm.compression)
+
+    def _layer_table(self, kv_cache: SlotKVCache) -> _LayerTable:
+        key = self._table_key(kv_cache)
+        if self._table is None or self._table.key != key:
             pointers: list[int | None] = []
             windows: list[int] = []
-            for i, layer in enumerate(self.layers):
+            held: list[object] = []
+            for i, (layer, sources) in enumerate(zip(self.layers, self._sources, strict=True)):
                 k_cache, v_cache = kv_cache.layer(i)
-                params = (
-                    getattr(layer.input_norm, "weight", None),  # an EAGLE head may have none (Identity)
-                    _dense(layer.qkv_weight),
-                    layer.qkv_bias,
-                    _dense(layer.o_weight),
-                    layer.o_bias,
-                    layer.post_norm.weight,
-                    _dense(layer.gate_up_weight),
-                    layer.gate_up_bias,
-                    _dense(layer.down_weight),
-                    layer.down_bias,
-                )
-                packed = {1, 3, 6, 8}  # the weight matrices; norms and biases stay as they are
+                params = [None if p is None else _dense(p) for p in sources]  # norms and biases are tensors already
                 for j, p in enumerate(params):
                     assert p is None or (p.is_contiguous() and p.dtype == torch.bfloat16)
-                    pointers.append(None if p is None else (gemm.pack(p) if j in packed else p).data_ptr())
+                    read = None if p is None else gemm.pack(p) if j in _PACKED else p
+                    pointers.append(None if read is None else read.data_ptr())
+                    held.append(read)
                 pointers += [k_cache.data_ptr(), v_cache.data_ptr()]
-                for j in sorted(packed):  # their compressed copies, where the tiles read them
+                for j in _PACKED:  # their compressed copies, where the tiles read them
                     weight = params[j]
                     blob = None if weight is None else gemm.compressed(weight)
                     pointers.append(None if blob is None else blob.data_ptr())
+                    held.append(blob)
                 windows.append(layer.window or 0)
-            table = (ctypes.c_void_p * len(pointers))(*pointers)
-            window_array = (ctypes.c_int64 * len(windows))(*windows)
-            self._table = (key, table, window_array)
-        return self._table[1], self._table[2]
+            held += [o for parts in self._sources for o in parts]
+            self._table = _LayerTable(key, pointers, windows, held)
+        return self._table
 
     def _buffer(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Scratch kept between forwards and grown on demand: a fresh multi-megabyte allocation per step is
@@ -199,7 +235,8 @@ class FusedDecode:
         s = self.spec
         lib = cpu_kernels._library()
         assert lib is not None and x.is_contiguous()
-        table, windows = self._layer_table(kv_cache)
+        layer_table = self._layer_table(kv_cache)
+        table, windows = layer_table.pointers, layer_table.windows
         alts = meta.alts
         num_alts = 0 if alts is None else alts.count
         t = meta.num_tokens + num_alts

@@ -35,7 +35,7 @@ enabled = True  # set from CpuOptions.fused_quant_decode (cpu_setup.apply)
 # rows: the forward keeps T rows' scratch per thread and its row tiles are sized for decode.
 MAX_ROWS_UNBOUNDED = 16
 _LINEARS = ("qkv", "o", "gate_up", "down")
-_WEIGHT_ATTRS = tuple(f"{name}_weight" for name in _LINEARS)
+_WEIGHT_AND_BIAS_ATTRS = tuple(f"{name}_{part}" for name in _LINEARS for part in ("weight", "bias"))
 
 
 def max_rows() -> int:
@@ -59,14 +59,18 @@ def _one_token_rows(meta: AttentionMetadata) -> bool:
 
 
 class _LayerTable:
-    """The C pointer table of a stack against one KV cache (ctypes arrays; it keeps no tensor alive: the key,
-    the cache's layout and the weights' ids, is checked against the live objects before each use)."""
+    """The C pointer table of a stack against one KV cache (ctypes arrays). Its key, the cache's layout and the
+    ids of the objects in the layers, is checked against the live objects before each use; it holds those objects
+    (a QuantLinear keeps its codes, never written in place), so no id in the key can be reused while it lives."""
 
-    def __init__(self, key: tuple[object, ...], pointers: list[int | None], formats: list[int], windows: list[int]):
+    def __init__(
+        self, key: tuple[object, ...], pointers: list[int | None], formats: list[int], windows: list[int], held: object
+    ):
         self.key = key
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         self.formats = (ctypes.c_int32 * len(formats))(*formats)
         self.windows = (ctypes.c_int64 * len(windows))(*windows)
+        self.held = held
 
 
 class FusedQuantDecode:
@@ -86,27 +90,32 @@ class FusedQuantDecode:
             and spec.num_heads // spec.num_kv_heads <= cpu_kernels.MAX_GROUP
         )
         self._table: _LayerTable | None = None
-        self._weights_key: tuple[int, ...] | None = None
+        self._weights_key: tuple[object, ...] | None = None
+        self._weights_held: list[object] = []  # the objects whose ids are in _weights_key
         self._weights_ok = False
         self._swaps_seen = -1  # module_swaps.generation() when the layers were last looked at
 
     def _linears(self, layer: DecoderLayer) -> tuple[object, ...]:
         return (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
 
-    def _stack_key(self) -> tuple[int, ...]:
-        """The ids of the objects in place: quantize_linears swaps them, and a QuantLinear's codes never change in
-        place. Read from the modules' own dicts: through ``nn.Module.__getattr__`` (~1 us a name) this took ~250
-        us a call for SmolLM2's 30 layers; still ~0.14 ms a step cold, so it runs only after a swap
+    def _stack_key(self) -> tuple[object, ...]:
+        """The ids of the objects in place (``_weights_held`` keeps them, so that no id can be reused while it
+        counts) and the layers' windows: quantize_linears swaps the linears, and a QuantLinear's codes never change
+        in place. Read from the modules' own dicts: through ``nn.Module.__getattr__`` (~1 us a name) this took
+        ~250 us a call for SmolLM2's 30 layers; still ~0.14 ms a step cold, so it runs only after a swap
         (``_weights_supported``). The layers themselves are the model's for good (bound at construction)."""
-        key: list[int] = []
+        held: list[object] = []
+        windows: list[int] = []
         for layer in self.layers:
             attrs, params, modules = layer.__dict__, layer._parameters, layer._modules
-            key += [id(params[name] if name in params else attrs[name]) for name in _WEIGHT_ATTRS]
+            held += [params[name] if name in params else attrs[name] for name in _WEIGHT_AND_BIAS_ATTRS]
             for norm in ("input_norm", "post_norm"):
                 module = modules[norm]
                 assert module is not None
-                key.append(id(module._parameters["weight"]))
-        return tuple(key)
+                held.append(module._parameters["weight"])
+            windows.append(layer.window or 0)
+        self._weights_held = held
+        return (tuple(id(o) for o in held), tuple(windows))
 
     def _weights_supported(self) -> bool:
         """Every linear a QuantLinear in a kernel format with K a multiple of 32 (no padding), norms fp32. The
@@ -191,7 +200,7 @@ class FusedQuantDecode:
                 assert len(parts) == cpu_kernels.QDECODE_LAYER_POINTERS
                 pointers += parts
                 windows.append(layer.window or 0)
-            self._table = _LayerTable(key, pointers, formats, windows)
+            self._table = _LayerTable(key, pointers, formats, windows, self._weights_held)
         return self._table
 
     def run(
