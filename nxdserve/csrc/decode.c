@@ -47,6 +47,7 @@ int64_t decode_forward_block_min(void) { return df_block_min_tokens; }
 /* Keys of a thread's next attention item pulled into L2 while it runs this one (16 KB of K at head size 64). */
 #define DF_PREFETCH_KEYS 128
 
+
 typedef struct { int64_t next; uint64_t ends; char pad[48]; } __attribute__((aligned(64))) df_claim;
 
 /* The next attention item from the front of [lo, hi) (the costliest left) or, back, from its end (the
@@ -149,7 +150,8 @@ static inline void df_store_row(const __m512* acc, float inv, uint16_t* o) {
    thread's next item's K (NULL: none). */
 #define DF_ITEM64(GG)                                                                                  \
 static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t* vb, int64_t n,         \
-                           float scale, float* sc, uint16_t* o, const char* nk, int64_t nk_lines) {     \
+                           float scale, float vs, float* sc, uint16_t* o, const char* nk,                \
+                           int64_t nk_lines) {                                                            \
     __m512bh qv[GG][2]; /* a zmm holds 32 bf16: half a row */                                          \
     for (int g = 0; g < GG; g++) {                                                                     \
         qv[g][0] = (__m512bh)_mm512_loadu_si512(q + g * 64);                                           \
@@ -216,7 +218,7 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pp, i[c]);             \
         }                                                                                              \
     }                                                                                                  \
-    for (int g = 0; g < GG; g++) df_store_row(acc[g], inv[g], o + g * 64);                             \
+    for (int g = 0; g < GG; g++) df_store_row(acc[g], inv[g] * vs, o + g * 64);                        \
 }
 
 /* In place: r[j] lane i <- r[i] lane j (a 16 x 16 transpose of 32-bit elements, 64 shuffles). */
@@ -252,6 +254,95 @@ static inline __mmask16 df_mask16(int64_t k) {
 
 /* Row stride of a block's scores and weights: its keys rounded up to 32 (the softmax's step). */
 static inline int64_t df_np(int64_t n) { return (n + 31) & ~(int64_t)31; }
+
+/* fp8 KV cache (kv_fp8: 1 e4m3fn, 2 e5m2; ``--kv-cache-dtype``). A token's K/V are written as codes the way
+   ``kv_quant.quantize`` casts them (x / scale in fp32, saturated at the format's largest value, rounded to
+   nearest even), so every path stores the same codes for the same values. An attention item widens its line's
+   keys and values into the thread's scratch as bf16 (exact: a code has at most four significant bits) and runs
+   the bf16 item or block on them, K's scale folded into the softmax scale and V's applied to the output. */
+/* Integer arithmetic throughout (the kernels build with -ffast-math, under which GCC may turn a division into a
+   reciprocal's product and fold NaN tests away): e4m3fn has 3 mantissa bits and bias 7 (largest 448, subnormal
+   steps of 2^-9), e5m2 2 bits and bias 15 (57344, 2^-16). */
+static inline uint8_t df_fp8_code(float y, int fmt) {
+    union { float f; uint32_t u; } v = {y};
+    const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80);
+    const uint32_t a = v.u & 0x7FFFFFFFu;
+    const int mbits = fmt == 2 ? 2 : 3;
+    const uint32_t bias = fmt == 2 ? 15u : 7u;
+    const uint32_t largest = fmt == 2 ? 0x47600000u : 0x43E00000u; /* 57344.f, 448.f */
+    if (a > 0x7F800000u) return sign | 0x7F;                         /* NaN stays NaN (torch's clamp keeps it) */
+    const uint32_t m = a < largest ? a : largest;                    /* saturate, infinities included */
+    const uint32_t e = m >> 23;
+    if (e + bias > 127u) { /* normal in fp8: round the mantissa to mbits bits, nearest even; a carry moves e */
+        const uint32_t drop = 23u - (uint32_t)mbits;
+        const uint32_t r = m + ((1u << (drop - 1)) - 1u) + ((m >> drop) & 1u);
+        return sign | (uint8_t)((r >> drop) - ((127u - bias) << mbits));
+    }
+    /* subnormal in fp8 (or zero): (1.mant * 2^(e-127)) / 2^(1 - bias - mbits), rounded to nearest even; a
+       result of 1 << mbits is the first normal code, as it should be */
+    if (e == 0) return sign; /* fp32 zeros and subnormals are far below half a step */
+    const uint32_t full = (m & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 23u + (127u - bias - (uint32_t)mbits + 1u) - e;
+    if (shift >= 32u) return sign;
+    uint32_t q = full >> shift;
+    const uint32_t rest = full & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    q += rest > half || (rest == half && (q & 1u));
+    return sign | (uint8_t)q;
+}
+
+void decode_forward_fp8_store(uint8_t* dst, const uint16_t* src, int64_t n, int32_t kv_fp8, float scale) {
+    const __m128 s = _mm_set_ss(scale);
+    for (int64_t i = 0; i < n; i++) {
+        const float x = bf2f(src[i]);
+        /* x / scale as one divss, as torch divides (not a reciprocal's product) */
+        dst[i] = df_fp8_code(scale == 1.f ? x : _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(x), s)), kv_fp8);
+    }
+}
+
+/* n codes to bf16 values, 32 at a time in integer arithmetic: a normal code's exponent and mantissa bits,
+   shifted to bf16's places, plus the difference of the biases (e4m3fn: 3 mantissa bits, bias 7; e5m2: 2 bits,
+   bias 15); the subnormal codes (exponent field 0: 7 of them in e4m3fn, 3 in e5m2) looked up; the sign moved
+   from bit 7 to bit 15. (vcvtph2ps per 16 codes, then truncating the fp32: 0.4x this speed.) */
+#define DF_WIDEN_AHEAD 8192 /* bytes of codes read ahead */
+void decode_forward_fp8_widen(const uint8_t* src, uint16_t* dst, int64_t n, int32_t kv_fp8) {
+    const int e5m2 = kv_fp8 == 2;
+    const __m512i mag_mask = _mm512_set1_epi16(0x7F), sign_mask = _mm512_set1_epi16((short)0x8000);
+    const __m512i bias = _mm512_set1_epi16(e5m2 ? 112 << 7 : 120 << 7);
+    const __m512i first_normal = _mm512_set1_epi16(e5m2 ? 4 : 8);
+    /* bf16 bits of the subnormal codes m = 0..7: m * 2^-9 (e4m3fn), m * 2^-16 (e5m2, m < 4) */
+    uint16_t sub[32] __attribute__((aligned(64))) = {0};
+    for (int m = 1; m < (e5m2 ? 4 : 8); m++) {
+        union { float f; uint32_t u; } v = {(float)m * (e5m2 ? 0x1p-16f : 0x1p-9f)};
+        sub[m] = (uint16_t)(v.u >> 16);
+    }
+    const __m512i table = _mm512_load_si512(sub);
+    for (int64_t i = 0; i < n; i += 32) {
+        /* A line of ~64 KB (1000 keys of 64) is too short for the hardware prefetcher: without this the widening
+           read 2.7 GB/s a thread from DRAM, where the bf16 items stream 9. */
+        if (!(i & 63)) _mm_prefetch((const char*)src + i + DF_WIDEN_AHEAD, _MM_HINT_T0);
+        const __mmask32 m = n - i >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (n - i)) - 1u);
+        /* sign-extended, so the code's sign lands in bit 15 */
+        const __m512i c = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, src + i));
+        const __m512i mag = _mm512_and_si512(c, mag_mask);
+        __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, e5m2 ? 5 : 4), bias);
+        v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, first_normal), mag, table);
+        _mm512_mask_storeu_epi16(dst + i, m, _mm512_ternarylogic_epi32(v, c, sign_mask, 0xF8)); /* v | (c & sign) */
+    }
+}
+
+/* Keys first..n-1 of the (slot, KV head) line at element offset ``line`` as bf16 rows: the cache's own (*kb and
+   *vb then point at key 0, and 0 is returned), or from an fp8 cache widened into w, 2 (n - first) D values
+   (pointing at key first, which is returned). */
+static inline int64_t df_line(const uint16_t* kc, const uint16_t* vc, int64_t line, int64_t first, int64_t n,
+                              int64_t D, int fp8, uint16_t* w, const uint16_t** kb, const uint16_t** vb) {
+    if (!fp8) { *kb = kc + line; *vb = vc + line; return 0; }
+    const int64_t m = (n - first) * D;
+    for (int64_t b = 0; b < DF_WIDEN_AHEAD && b < m; b += 64) _mm_prefetch((const char*)vc + line + first * D + b, _MM_HINT_T0);
+    decode_forward_fp8_widen((const uint8_t*)kc + line + first * D, w, m, fp8);
+    decode_forward_fp8_widen((const uint8_t*)vc + line + first * D, w + m, m, fp8);
+    *kb = w; *vb = w + m;
+    return first;
+}
 
 /* e^x to ~1e-6 relative (the result is rounded to bf16): 2^n * e^r with |r| <= ln2 / 2, a degree-5
    polynomial for e^r, ln 2 split in two for the reduction; scalef takes a very negative n to zero. */
@@ -340,7 +431,7 @@ static void df_block_softmax(const float* sc, uint16_t* pb, int64_t R, int64_t G
 }
 
 static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R, int64_t G, const uint16_t* kb,
-                       const uint16_t* vb, int64_t n0, float scale, float* sc, uint16_t* pb) {
+                       const uint16_t* vb, int64_t n0, float scale, float vs, float* sc, uint16_t* pb) {
     const int64_t n = n0 + (R - 1) / G, np = df_np(n);
     float inv[DF_BLOCK_ROWS];
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -378,7 +469,7 @@ static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, i[c]);
             }
         }
-        for (int64_t r = 0; r < rm; r++) df_store_row(acc[r], inv[r0 + r], op[r0 + r]);
+        for (int64_t r = 0; r < rm; r++) df_store_row(acc[r], inv[r0 + r] * vs, op[r0 + r]);
     }
 }
 
@@ -389,7 +480,7 @@ static void df_block64(const uint16_t* const* qp, uint16_t* const* op, int64_t R
    rows of weights (the tiles read whole 16-row groups; rows past R are not used). Tiles (gm_amx_config's
    shapes): q . k: C 0, A 1, B 2-3 (dims 0-31, 32-63); p . v: C 0-3 (the df_v_pairs lane groups), A 4, B 5. */
 static void df_block64_amx(const uint16_t* const* qp, uint16_t* const* op, int64_t R, int64_t G, const uint16_t* kb,
-                           const uint16_t* vb, int64_t n0, float scale, float* sc, uint16_t* pb) {
+                           const uint16_t* vb, int64_t n0, float scale, float vs, float* sc, uint16_t* pb) {
     const int64_t n = n0 + (R - 1) / G, np = df_np(n), RT = (R + 15) / 16;
     float inv[DF_BLOCK_ROWS];
     uint16_t qbuf[32 * 64] __attribute__((aligned(64)));
@@ -444,7 +535,7 @@ static void df_block64_amx(const uint16_t* const* qp, uint16_t* const* op, int64
             const float* cr = cbuf + (r - 16 * rt) * 64;
             const __m512 acc[4] = {_mm512_load_ps(cr), _mm512_load_ps(cr + 16), _mm512_load_ps(cr + 32),
                                    _mm512_load_ps(cr + 48)};
-            df_store_row(acc, inv[r], op[r]);
+            df_store_row(acc, inv[r] * vs, op[r]);
         }
     }
 }
@@ -453,41 +544,47 @@ static void df_block64_amx(const uint16_t* const* qp, uint16_t* const* op, int64
 /* A block on the tiles where the GEMMs use them (gm_amx_on: the same switch, so one setting gives one
    machine's bits), else on AVX512-BF16. */
 static inline void df_block(const uint16_t* const* qp, uint16_t* const* op, int64_t R, int64_t G, const uint16_t* kb,
-                            const uint16_t* vb, int64_t n0, float scale, float* sc, uint16_t* pb) {
+                            const uint16_t* vb, int64_t n0, float scale, float vs, float* sc, uint16_t* pb) {
 #ifdef GM_AMX
-    if (gm_amx_on > 0) { df_block64_amx(qp, op, R, G, kb, vb, n0, scale, sc, pb); return; }
+    if (gm_amx_on > 0) { df_block64_amx(qp, op, R, G, kb, vb, n0, scale, vs, sc, pb); return; }
 #endif
-    df_block64(qp, op, R, G, kb, vb, n0, scale, sc, pb);
+    df_block64(qp, op, R, G, kb, vb, n0, scale, vs, sc, pb);
 }
 
-/* fp32 scratch per thread: the single-token items' scores, or a block's scores and bf16 weights. */
+/* attention.c's items with the V scale applied (VS_FP8): the other head shapes on an fp8 cache's widened rows. */
+DEFINE_ITEM_KV(item_bf16v_64, uint16_t, bf2f, f2bf, uint16_t, bf2f, ROWS_EACH, VS_FP8, 64, 64)
+DEFINE_ITEM_KV(item_bf16v_128, uint16_t, bf2f, f2bf, uint16_t, bf2f, ROWS_EACH, VS_FP8, 128, 128)
+DEFINE_ITEM_KV(item_bf16v_any, uint16_t, bf2f, f2bf, uint16_t, bf2f, ROWS_EACH, VS_FP8, D, MAXD)
+
 /* The first key a token at ps sees: 0, or the start of its sliding window. */
 static inline int64_t df_first_key(int64_t ps, int64_t window) {
     return (window > 0 && ps - window + 1 > 0) ? ps - window + 1 : 0;
 }
 
-/* One token's attention for one KV head: keys lo..ps of kb/vb (lo from the sliding window, if any). nk,
+/* One token's attention for one KV head: keys lo..ps (lo from the sliding window, if any) of kb/vb, whose first
+   row is key ``first`` (df_line); scale: the softmax's (times K's fp8 scale), vs: V's fp8 scale (1: none). nk,
    nk_lines: cache lines for the head-size-64 items to pull into L2 meanwhile (df_item64). */
-static void df_attend_one(const uint16_t* qr, const uint16_t* kb, const uint16_t* vb, int64_t ps, int64_t window,
-                          int64_t G, int64_t D, float scale, float* sc, uint16_t* o, const char* nk,
-                          int64_t nk_lines) {
+static void df_attend_one(const uint16_t* qr, const uint16_t* kb, const uint16_t* vb, int64_t first, int64_t ps,
+                          int64_t window, int64_t G, int64_t D, float scale, float vs, float* sc, uint16_t* o,
+                          const char* nk, int64_t nk_lines) {
     int64_t lo = df_first_key(ps, window);
-    const uint16_t* kl = kb + lo * D;
-    const uint16_t* vl = vb + lo * D;
+    const uint16_t* kl = kb + (lo - first) * D;
+    const uint16_t* vl = vb + (lo - first) * D;
     int64_t n = ps + 1 - lo;
-    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
-    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
-    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
-    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, sc, o, nk, nk_lines);
-    else if (D == 64) item_bf16_64(qr, D, kl, vl, n, G, D, scale, sc, o, 1.f);
-    else if (D == 128) item_bf16_128(qr, D, kl, vl, n, G, D, scale, sc, o, 1.f);
-    else item_bf16_any(qr, D, kl, vl, n, G, D, scale, sc, o, 1.f);
+    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
+    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
+    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
+    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
+    else if (D == 64) (vs == 1.f ? item_bf16_64 : item_bf16v_64)(qr, D, kl, vl, n, G, D, scale, sc, o, vs);
+    else if (D == 128) (vs == 1.f ? item_bf16_128 : item_bf16v_128)(qr, D, kl, vl, n, G, D, scale, sc, o, vs);
+    else (vs == 1.f ? item_bf16_any : item_bf16v_any)(qr, D, kl, vl, n, G, D, scale, sc, o, vs);
 }
 
-int64_t decode_forward_scratch(int64_t G, int64_t maxctx) {
-    /* a block's scores (R rows) then its bf16 weights, with room for 32 rows of them (df_block64_amx) */
+/* fp32 scratch per thread: a block's scores (R rows) then its bf16 weights, with room for 32 rows of them
+   (df_block64_amx), or the single-token items' scores; then, for an fp8 cache, a line's widened K and V. */
+int64_t decode_forward_scratch(int64_t G, int64_t maxctx, int64_t D, int32_t kv_fp8) {
     int64_t block = (DF_BLOCK_TOKENS * G + DF_BLOCK_ROWS / 2) * df_np(maxctx);
-    return (block > G * maxctx ? block : G * maxctx) + 16;
+    return (block > G * maxctx ? block : G * maxctx) + 16 + (kv_fp8 ? maxctx * D : 0);
 }
 
 /* One thread's share of x (T, K) @ w^T (+ bias) (+ res) -> out, w packed (``gemm.pack``), N outputs: panels
@@ -536,7 +633,7 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                        const int64_t* slots, const int64_t* pos, int64_t H, int64_t NH, int64_t NKV, int64_t D,
                        int64_t I, int64_t c_ss, int64_t c_sh, uint16_t* ws, float* fs, int64_t A,
                        uint16_t* alt_kv, int nthreads, const uint16_t* silu_tab, const int64_t* keep,
-                       int64_t K) {
+                       int64_t K, int fp8, const float* kv_scales) {
     const int64_t G = NH / NKV, NHEADS = NH + 2 * NKV, QKV = NHEADS * D, half = D / 2, TM = T - A;
     const float scale = 1.f / sqrtf((float)D);
     int64_t maxctx = 1;
@@ -575,7 +672,9 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
         a = e;
     }
     const int prune = keep != NULL && A == 0 && K < T && L > 0;
-    const int64_t per_thread = decode_forward_scratch(G, maxctx);
+    const int64_t per_thread = decode_forward_scratch(G, maxctx, D, fp8);
+    const int64_t attention_scratch = decode_forward_scratch(G, maxctx, D, 0); /* then an fp8 line's rows */
+    const int64_t esize = fp8 ? 1 : 2; /* bytes per cached element */
     int nt = nthreads < 1 ? 1 : nthreads;
     /* Panel runs for work stealing (gm_panels_steal): 4 GEMMs per layer x their row blocks x nt threads, set up
        here so that no thread needs a barrier to reset them. A pruned last layer's GEMMs use the first blocks. */
@@ -601,6 +700,7 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
         /* Fewer threads than asked: runs of missing threads are still claimed by the others' stealing. */
         gm_run* lr[4];
         float* sc = fs + (int64_t)tid * per_thread;
+        uint16_t* widened = (uint16_t*)(sc + attention_scratch);
         int64_t tlo, thi;
         df_share(T, tid, nth, &tlo, &thi);
         for (int64_t l = 0; l < L; l++) {
@@ -613,6 +713,7 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
             for (int j = 0; j < 4; j++) lr[j] = runs ? runs + l * per_layer + run_at[j] : NULL;
             const int last = prune && l == L - 1;
             const int blocks = D == 64 && G <= 4 && windows[l] <= 0; /* df_block64's shapes */
+            const float ks = fp8 ? kv_scales[2 * l] : 1.f, vs = fp8 ? kv_scales[2 * l + 1] : 1.f;
             /* 1. Input norm of this thread's rows (an EAGLE head may have none); q/k/v of its panels. */
             df_prefetch_first_panel(qkv_w, qkv_c, H, QKV, tid, nth);
             if (in_norm) df_rmsnorm(x, in_norm, eps, h, tlo, thi, H);
@@ -636,10 +737,11 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                     }
                 }
                 if (hd >= NH) {
-                    int64_t kv = hd < NH + NKV ? hd - NH : hd - NH - NKV;
-                    uint16_t* c = t < TM ? (hd < NH + NKV ? kc : vc) + slots[t] * c_ss + kv * c_sh + pos[t] * D
-                                         : alt_kv + ((l * A + t - TM) * 2 + (hd >= NH + NKV)) * NKV * D + kv * D;
-                    memcpy(c, o, sizeof(uint16_t) * D);
+                    const int64_t kv = hd < NH + NKV ? hd - NH : hd - NH - NKV, is_v = hd >= NH + NKV;
+                    const int64_t at = slots[t] * c_ss + kv * c_sh + pos[t] * D; /* elements */
+                    if (t >= TM) memcpy(alt_kv + ((l * A + t - TM) * 2 + is_v) * NKV * D + kv * D, o, 2 * D);
+                    else if (fp8) decode_forward_fp8_store((uint8_t*)(is_v ? vc : kc) + at, o, D, fp8, is_v ? vs : ks);
+                    else memcpy((is_v ? vc : kc) + at, o, sizeof(uint16_t) * D);
                 }
             }
             /* 3. Attention by (block, KV head) items; they differ in size, so shared dynamically: each thread
@@ -653,8 +755,9 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                 for (int64_t it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED); it < K * NKV;
                      it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED)) {
                     const int64_t k = it / NKV, kv = it % NKV, t = keep[k];
-                    const uint16_t* kb = kc + slots[t] * c_ss + kv * c_sh;
-                    const uint16_t* vb = vc + slots[t] * c_ss + kv * c_sh;
+                    const uint16_t *kb, *vb;
+                    const int64_t first = df_line(kc, vc, slots[t] * c_ss + kv * c_sh, df_first_key(pos[t], windows[l]),
+                                                  pos[t] + 1, D, fp8, widened, &kb, &vb);
                     uint16_t* o = attn + k * NH * D + kv * G * D;
                     if (tok_n[t] > 1 && blocks) {
                         const uint16_t* qp[DF_BLOCK_ROWS];
@@ -664,10 +767,10 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                             op[g] = o + g * D;
                         }
                         uint16_t* wb = (uint16_t*)(sc + G * df_np(pos[t] + 1));
-                        df_block(qp, op, G, G, kb, vb, pos[t] + 1, scale, sc, wb);
+                        df_block(qp, op, G, G, kb, vb, pos[t] + 1, scale * ks, vs, sc, wb); /* first == 0 */
                     } else {
-                        df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, pos[t], windows[l], G, D, scale, sc, o,
-                                      NULL, 0);
+                        df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, first, pos[t], windows[l], G, D, scale * ks,
+                                      vs, sc, o, NULL, 0);
                     }
                 }
             }
@@ -679,12 +782,13 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                 if (nx >= 0) {
                     const int64_t nt0 = blk_t[nx / NKV], lo = df_first_key(pos[nt0], windows[l]);
                     const int64_t keys = pos[nt0] + 1 - lo;
-                    nk = (const char*)(kc + slots[nt0] * c_ss + (nx % NKV) * c_sh + lo * D);
-                    nk_lines = (keys < DF_PREFETCH_KEYS ? keys : DF_PREFETCH_KEYS) * D * 2 / 64;
+                    nk = (const char*)kc + (slots[nt0] * c_ss + (nx % NKV) * c_sh + lo * D) * esize;
+                    nk_lines = (keys < DF_PREFETCH_KEYS ? keys : DF_PREFETCH_KEYS) * D * esize / 64;
                 }
                 int64_t b = it / NKV, kv = it % NKV, t0 = blk_t[b], nb = blk_n[b] < 0 ? -blk_n[b] : blk_n[b];
-                const uint16_t* kb = kc + slots[t0] * c_ss + kv * c_sh;
-                const uint16_t* vb = vc + slots[t0] * c_ss + kv * c_sh;
+                const uint16_t *kb, *vb; /* the run's keys: from its first token's window start to its last token */
+                const int64_t first = df_line(kc, vc, slots[t0] * c_ss + kv * c_sh, df_first_key(pos[t0], windows[l]),
+                                              pos[t0 + nb - 1] + 1, D, fp8, widened, &kb, &vb);
                 if (blk_n[b] > 1 && blocks) {
                     const uint16_t* qp[DF_BLOCK_ROWS];
                     uint16_t* op[DF_BLOCK_ROWS];
@@ -693,16 +797,17 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                         op[r] = attn + (t0 + r / G) * NH * D + (kv * G + r % G) * D;
                     }
                     float* wb = sc + nb * G * df_np(pos[t0 + nb - 1] + 1); /* the bf16 weights after the scores */
-                    df_block(qp, op, nb * G, G, kb, vb, pos[t0] + 1, scale, sc, (uint16_t*)wb);
+                    df_block(qp, op, nb * G, G, kb, vb, pos[t0] + 1, scale * ks, vs, sc, (uint16_t*)wb);
                     continue;
                 }
                 for (int64_t t = t0; t < t0 + nb; t++) /* a run's tokens share keys: the last one prefetches */
-                    df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, pos[t], windows[l], G, D, scale, sc,
-                                  attn + t * NH * D + kv * G * D, t + 1 == t0 + nb ? nk : NULL, nk_lines);
+                    df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, first, pos[t], windows[l], G, D, scale * ks, vs,
+                                  sc, attn + t * NH * D + kv * G * D, t + 1 == t0 + nb ? nk : NULL, nk_lines);
             }
             df_prefetch_first_panel(o_w, o_c, NH * D, H, tid, nth);
             _Pragma("omp barrier")
-            /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back. */
+            /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back (a bf16 cache:
+               fused_decode.accepts keeps an fp8 cache's steps with alternatives on the layer path). */
             if (ngrp) {
                 _Pragma("omp for schedule(static)")
                 for (int64_t it = 0; it < ngrp * NKV; it++) {
@@ -716,7 +821,7 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                         const uint16_t* own = alt_kv + (l * A + t - TM) * 2 * NKV * D + kv * D;
                         memcpy(kb + ps * D, own, sizeof(uint16_t) * D);
                         memcpy(vb + ps * D, own + NKV * D, sizeof(uint16_t) * D);
-                        df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, ps, windows[l], G, D, scale, sc,
+                        df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, 0, ps, windows[l], G, D, scale, 1.f, sc,
                                       attn + t * NH * D + kv * G * D, NULL, 0);
                     }
                     memcpy(kb + ps * D, ksave, sizeof(uint16_t) * D);
@@ -764,7 +869,7 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
 void decode_forward_bf16(const nxd_decode_args* a) {
     df_forward(a->x, a->T, a->lw, a->windows, a->L, a->final_norm, a->eps, a->cos, a->sin, a->slots, a->pos, a->H,
                a->NH, a->NKV, a->D, a->I, a->c_ss, a->c_sh, a->ws, a->fs, a->A, a->alt_kv, a->nthreads, a->silu_tab,
-               a->keep, a->K);
+               a->keep, a->K, a->kv_fp8, a->kv_scales);
 }
 #else
 int decode_forward_available(void) { return 0; }

@@ -71,7 +71,8 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_decode_args, c_ss), NXD_FIELD(nxd_decode_args, c_sh), NXD_FIELD(nxd_decode_args, ws),
     NXD_FIELD(nxd_decode_args, fs), NXD_FIELD(nxd_decode_args, A), NXD_FIELD(nxd_decode_args, alt_kv),
     NXD_FIELD(nxd_decode_args, silu_tab), NXD_FIELD(nxd_decode_args, keep), NXD_FIELD(nxd_decode_args, K),
-    NXD_FIELD(nxd_decode_args, eps), NXD_FIELD(nxd_decode_args, nthreads),
+    NXD_FIELD(nxd_decode_args, kv_scales), NXD_FIELD(nxd_decode_args, eps), NXD_FIELD(nxd_decode_args, nthreads),
+    NXD_FIELD(nxd_decode_args, kv_fp8),
 
     NXD_SIZE(nxd_greedy_head_args),
     NXD_FIELD(nxd_greedy_head_args, x), NXD_FIELD(nxd_greedy_head_args, M), NXD_FIELD(nxd_greedy_head_args, K),

@@ -90,8 +90,9 @@ void gemm_set_x_block_bytes(int64_t bytes);
 
 /* ---- decode.c: the fused bf16 decoder forward (AVX512-BF16) ------------------------------------------------ */
 /* x (T, H) overwritten with the stack's output; lw: 16 pointers per layer (see decode.c); scratch ws (bf16)
-   and fs (fp32, decode_forward_scratch(G, max pos + 1) floats per thread); A alternatives after the rows,
-   their K/V in alt_kv; keep (K increasing token indices) or NULL. */
+   and fs (fp32, decode_forward_scratch(G, max pos + 1, D, kv_fp8) floats per thread); A alternatives after the
+   rows, their K/V in alt_kv; keep (K increasing token indices) or NULL. kv_fp8: 0 a bf16 cache, 1 e4m3fn codes,
+   2 e5m2 codes (no alternatives then), with kv_scales (L, 2): each layer's K and V scale. */
 typedef struct nxd_decode_args {
     uint16_t* x;
     int64_t T;
@@ -111,13 +112,17 @@ typedef struct nxd_decode_args {
     const uint16_t* silu_tab;
     const int64_t* keep;
     int64_t K;
+    const float* kv_scales;
     float eps;
     int32_t nthreads;
+    int32_t kv_fp8;
 } nxd_decode_args;
 
 int decode_forward_available(void);
 void decode_forward_bf16(const nxd_decode_args* a);
-int64_t decode_forward_scratch(int64_t G, int64_t maxctx);
+int64_t decode_forward_scratch(int64_t G, int64_t maxctx, int64_t D, int32_t kv_fp8);
+void decode_forward_fp8_store(uint8_t* dst, const uint16_t* src, int64_t n, int32_t kv_fp8, float scale);
+void decode_forward_fp8_widen(const uint8_t* src, uint16_t* dst, int64_t n, int32_t kv_fp8);
 void decode_forward_set_block_min(int64_t n);
 int64_t decode_forward_block_min(void);
 void decode_forward_silu_mul(const uint16_t* tab, const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n);

@@ -194,7 +194,10 @@ def test_fp8_attention_kernel_on_every_path(path: str, name: str) -> None:
 def test_fp8_kernel_reads_what_sdpa_reads(dtype: torch.dtype, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decodes and verification rows attend through the C kernel reading fp8 codes (one byte each); SDPA over the
     widened cache gives the same outputs, with calculated (non-1.0) scales too."""
+    from nxdserve.engine.models import fused_decode
+
     model, toks = tiny(dtype), _tokens(50, seed=5)
+    monkeypatch.setattr(fused_decode, "enabled", False)  # the layer path's kernel (the fused one: test_fused_decode)
     calls = []
     original = cpu_kernels.slot_attention_fp8
     monkeypatch.setattr(cpu_kernels, "slot_attention_fp8", lambda *a: calls.append(1) or original(*a))
@@ -227,14 +230,53 @@ def test_fp8_kernel_reads_what_sdpa_reads(dtype: torch.dtype, name: str, monkeyp
             assert float((kernel - sdpa).abs().mean()) < 0.02 * float(sdpa.abs().mean())
 
 
-def test_bf16_fp8_cache_takes_the_torch_path() -> None:
-    """The fused C forward reads bf16 K/V: with an fp8 cache it declines (the layer path runs, its attention on
-    the fp8 kernel)."""
+def test_bf16_fused_forward_takes_an_fp8_cache_with_its_scales_set() -> None:
+    """The fused C forward (AVX512-BF16 builds) writes and reads fp8 codes itself; it declines while calculated
+    scales are still to be set (the layer path's first forward sets them) and for draft alternatives."""
+    from nxdserve.engine.models import fused_decode
+
+    if not fused_decode.available():
+        pytest.skip("no fused bf16 forward on this machine")
     model = tiny(torch.bfloat16)
-    runner = SlotModelRunner(model, 1, 64, kv_cache_dtype="fp8")
-    meta = runner.metadata(np.array([0]), np.array([0]), np.array([4]))
-    assert not model.fused_decode.accepts(torch.zeros(4, dtype=torch.long), meta, runner.kv_cache)
-    assert torch.isfinite(runner.run(_tokens(4), np.array([0]), np.array([0]), np.array([4])).float()).all()
+    one = torch.zeros(1, dtype=torch.long)
+    runner = SlotModelRunner(model, 2, 64, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    prompt_meta = runner.metadata(np.array([0]), np.array([0]), np.array([4]))
+    decode = runner.metadata(np.array([0]), np.array([4]), np.array([1]))
+    with torch.inference_mode():
+        assert not model.fused_decode.accepts(torch.zeros(4, dtype=torch.long), prompt_meta, runner.kv_cache)
+        assert not model.fused_decode.accepts(one, decode, runner.kv_cache)
+        runner.run(_tokens(4), np.array([0]), np.array([0]), np.array([4]))  # sets every layer's scales
+        assert model.fused_decode.accepts(one, decode, runner.kv_cache)
+        decode.alts = DraftAlternatives(torch.tensor([0]), torch.tensor([4]))
+        assert not model.fused_decode.accepts(torch.zeros(2, dtype=torch.long), decode, runner.kv_cache)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fused_forward_writes_torchs_codes_for_every_bf16_value(name: str) -> None:
+    """The fused forward's own cast (csrc/decode.c) against ``kv_quant.quantize``: every bf16 value (subnormals,
+    ties, saturation, NaN), at scales that make x / scale round differently in fp32; and every code read back
+    exactly."""
+    from nxdserve.engine.models import fused_decode
+
+    if not fused_decode.available():
+        pytest.skip("no fused bf16 forward on this machine")
+    lib = cpu_kernels._library()
+    assert lib is not None
+    dtype, fmt = FP8[name], 1 if name == "fp8_e4m3" else 2
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    got = torch.empty(every.numel(), dtype=torch.uint8)
+    for scale in (1.0, 0.37, 3.1, 1e-3, 250.0):
+        lib.decode_forward_fp8_store(got.data_ptr(), every.data_ptr(), every.numel(), fmt, scale)
+        want = kv_quant.quantize(every, scale, dtype).view(torch.uint8)
+        nan = torch.isnan(every)
+        assert torch.equal(got[~nan], want[~nan]), scale
+        assert torch.equal(got[nan] & 0x7F, want[nan] & 0x7F)  # NaN codes (either sign)
+    codes = torch.arange(256, dtype=torch.uint8)
+    widened = torch.empty(256, dtype=torch.bfloat16)
+    lib.decode_forward_fp8_widen(codes.data_ptr(), widened.data_ptr(), 256, fmt)
+    values = codes.view(dtype).float()
+    finite = torch.isfinite(values)
+    assert torch.equal(widened.float()[finite], values[finite])
 
 
 # -- sizing ------------------------------------------------------------------------------------------------

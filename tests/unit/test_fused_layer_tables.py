@@ -62,6 +62,24 @@ def test_a_cache_at_a_freed_caches_address_gets_its_own_table(kind: str) -> None
             assert torch.equal(got_kv, want_kv), layer
 
 
+def test_an_fp8_cache_at_a_bf16_caches_address_gets_its_own_table() -> None:
+    """Same address, same shape, one byte an element instead of two: its layers start at half the offsets."""
+    if not fused_decode.available():
+        pytest.skip("no fused bf16 forward on this machine")
+    model = _model("bf16")
+    first = model.new_kv_cache(1, 64)
+    _steps(model, first, 64)
+    reused = model.new_kv_cache(1, 64, torch.float8_e4m3fn)
+    codes = first.data.view(-1).view(torch.uint8)[: first.data.numel()]  # the first half of its bytes
+    reused.data = codes.view(first.data.shape).view(torch.float8_e4m3fn).zero_()
+    assert reused.data.shape == first.data.shape and reused.data.data_ptr() == first.data.data_ptr()
+    got = _steps(model, reused, 64)
+    fresh = model.new_kv_cache(1, 64, torch.float8_e4m3fn)
+    want = _steps(model, fresh, 64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(reused.data.view(torch.uint8), fresh.data.view(torch.uint8))
+
+
 # The table also reads the layers' weights through pointers (the bf16 forward: each weight's packed copy, rebuilt
 # by gemm.kept after an in-place write). Keyed on the first layer's weight alone, it missed a later layer's
 # weight written in place or replaced, and a bias set on a later layer: the forward read the old values, or

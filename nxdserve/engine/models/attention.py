@@ -81,11 +81,12 @@ class SlotKVCache:
         return self.data.numel() * self.data.element_size()
 
     @property
-    def layout(self) -> tuple[int, tuple[int, ...]]:
-        """Where the cache lies and its shape: what a table of per-layer pointers into it depends on. The address
-        alone is not enough: a freed cache's address comes back for the next one, whose layers may start elsewhere
-        (a table keyed on it wrote K/V past a shorter cache's end: heap corruption, seen as aborts in malloc)."""
-        return self.data.data_ptr(), tuple(self.data.shape)
+    def layout(self) -> tuple[int, tuple[int, ...], torch.dtype]:
+        """Where the cache lies, its shape and element type: what a table of per-layer pointers into it depends
+        on. The address alone is not enough: a freed cache's address comes back for the next one, whose layers may
+        start elsewhere (a table keyed on it wrote K/V past a shorter cache's end: heap corruption, seen as aborts
+        in malloc); an fp8 cache of the same shape has its layers at half a bf16 one's offsets."""
+        return self.data.data_ptr(), tuple(self.data.shape), self.data.dtype
 
 
 @dataclass

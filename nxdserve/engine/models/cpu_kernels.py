@@ -244,7 +244,7 @@ class DecodeArgs(ctypes.Structure):
         *_fields("x", _p), *_fields("T", _i64), *_fields("lw windows", _p), *_fields("L", _i64),
         *_fields("final_norm cos sin slots pos", _p), *_fields("H NH NKV D I c_ss c_sh", _i64),
         *_fields("ws fs", _p), *_fields("A", _i64), *_fields("alt_kv silu_tab keep", _p), *_fields("K", _i64),
-        ("eps", _f32), ("nthreads", _i32),
+        *_fields("kv_scales", _p), ("eps", _f32), ("nthreads", _i32), ("kv_fp8", _i32),
     ]  # fmt: skip
 
 
@@ -325,7 +325,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 _OPTIONAL: dict[str, dict[str, tuple[list[Any], Any]]] = {  # by availability probe: parts of AVX512 builds
     "decode_forward_available": {
         "decode_forward_bf16": ([ctypes.POINTER(DecodeArgs)], None),
-        "decode_forward_scratch": ([_i64, _i64], _i64),
+        "decode_forward_scratch": ([_i64, _i64, _i64, _i32], _i64),
+        "decode_forward_fp8_store": ([_p, _p, _i64, _i32, _f32], None),
+        "decode_forward_fp8_widen": ([_p, _p, _i64, _i32], None),
         "decode_forward_set_block_min": ([_i64], None),
         "decode_forward_block_min": ([], _i64),
         "decode_forward_silu_mul": ([_p, _p, _p, _p, _i64], None),

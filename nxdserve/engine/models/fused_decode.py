@@ -1,10 +1,12 @@
 """bf16 forward through the fused C decoder (``csrc/decode.c``): one call for all layers.
 
 ``FusedDecode.accepts`` decides per forward; anything it does not cover (fp32, more than ``MAX_TOKENS``
-tokens, q/k norms, activations other than SiLU, autograd, a step with a LoRA adapter row) takes the
-layer-by-layer path. The C forward has no LoRA shrink/expand: steps whose rows all run the base model
-keep it, and a step with any adapter row runs the torch layers (whose fused elementwise kernels and
-packed GEMMs still apply) plus the grouped LoRA GEMMs of ``nxdserve/lora/stack.py``.
+tokens, q/k norms, activations other than SiLU, autograd, a step with a LoRA adapter row, draft alternatives on
+an fp8 KV cache or one whose calculated scales are not set yet) takes the layer-by-layer path. An fp8 KV cache
+(``--kv-cache-dtype``) it writes as codes and reads widened to bf16, one (slot, KV head) line at a time
+(docs/kv-cache.md). The C forward has no LoRA shrink/expand: steps whose rows all run the base model keep it,
+and a step with any adapter row runs the torch layers (whose fused elementwise kernels and packed GEMMs still
+apply) plus the grouped LoRA GEMMs of ``nxdserve/lora/stack.py``.
 Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M): see ``benchmarks/perf_notes.md``.
 ``CpuOptions.fused_decode`` turns it off (A/B measurements).
 """
@@ -70,6 +72,17 @@ def _dense(weight: torch.Tensor | QuantLinear) -> torch.Tensor:
     return weight.dense_copy(torch.bfloat16) if isinstance(weight, QuantLinear) else weight
 
 
+def _scales_set(kv_cache: SlotKVCache) -> bool:
+    return kv_cache.scales is not None and not kv_cache.scales.num_pending
+
+
+def _fp8_format(kv_cache: SlotKVCache) -> int:
+    """``kv_fp8`` of the C forward: 0 a cache in the model dtype, 1 e4m3fn codes, 2 e5m2 codes."""
+    if not kv_cache.quantized:
+        return 0
+    return 2 if kv_cache.data.dtype == torch.float8_e5m2 else 1
+
+
 def available() -> bool:
     return enabled and cpu_kernels.available() and cpu_kernels.built("decode_forward_available")
 
@@ -125,8 +138,9 @@ class FusedDecode:
             # The C code trusts its indices: rows outside this cache take the checked torch path.
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
-            # The C forward reads and writes K/V in bf16: an fp8 cache takes the layer path (kv_quant).
-            and not kv_cache.quantized
+            # An fp8 cache: the C forward writes and reads its codes once every layer's scales are set (the layer
+            # path's first forward sets calculated ones); draft alternatives on it take the layer path.
+            and (not kv_cache.quantized or (meta.alts is None and _scales_set(kv_cache)))
             and meta.use_kernel
             # The C forward has no LoRA: a step with an adapter row takes the layer-by-layer path.
             and meta.lora is None
@@ -265,7 +279,9 @@ class FusedDecode:
         # + 24 per token: the attention block, alternative group and token kind tables (6 int64 per token) after
         # the activations
         work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size + 24), torch.bfloat16)
-        per_thread = lib.decode_forward_scratch(s.num_heads // s.num_kv_heads, meta.max_end)
+        kv_fp8 = _fp8_format(kv_cache)
+        scales = kv_cache.scales.cpu_pairs() if kv_fp8 and kv_cache.scales is not None else None
+        per_thread = lib.decode_forward_scratch(s.num_heads // s.num_kv_heads, meta.max_end, s.head_dim, kv_fp8)
         scratch = self._buffer(1, threads * per_thread, torch.float32)
         k_cache, _ = kv_cache.layer(0)
         final_norm = None if self.final_norm is None else self.final_norm.weight.data_ptr()
@@ -277,7 +293,7 @@ class FusedDecode:
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
             k_cache.stride(0), k_cache.stride(1), work.data_ptr(), scratch.data_ptr(), num_alts, alt_kv or None,
             silu_table().data_ptr(), None if kept is None else kept.data_ptr(), -1 if kept is None else kept.numel(),
-            self.eps, threads,
+            None if scales is None else scales.data_ptr(), self.eps, threads, kv_fp8,
         )  # fmt: skip
         lib.decode_forward_bf16(ctypes.byref(args))
         return x if kept is None else x[: kept.numel()]

@@ -47,6 +47,8 @@ class KVScales:
     def __init__(self, num_layers: int, calculate: bool = False) -> None:
         self.pairs: list[tuple[float, float]] = [(1.0, 1.0)] * num_layers
         self.pending = [calculate] * num_layers
+        self.num_pending = num_layers if calculate else 0
+        self._cpu: torch.Tensor | None = None
 
     def for_layer(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
         if self.pending[index]:
@@ -55,7 +57,16 @@ class KVScales:
             # A layer whose first K/V are all zero keeps 1.0 (a zero scale would divide by zero).
             self.pairs[index] = (amax_k / K_SCALE_RANGE or 1.0, amax_v / V_SCALE_RANGE or 1.0)
             self.pending[index] = False
+            self.num_pending -= 1
+            self._cpu = None
         return self.pairs[index]
+
+    def cpu_pairs(self) -> torch.Tensor:
+        """The pairs as a contiguous (layers, 2) fp32 CPU tensor, made once per change (the fused forward's
+        ``kv_scales``)."""
+        if self._cpu is None:
+            self._cpu = self.tensor(torch.device("cpu"))
+        return self._cpu
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(self.pairs, dtype=torch.float32, device=device)
