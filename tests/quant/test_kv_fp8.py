@@ -349,14 +349,16 @@ def test_fp8_outputs_are_equal_across_scheduling_modes_and_with_prefix_caching()
     assert hits > 0
 
 
-def test_fp8_speculative_decoding_is_lossless() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_speculative_decoding_is_lossless(dtype: str) -> None:
     """n-gram drafts verified against the fp8 cache (verify rows write K/V for every draft; rejected ones are
-    overwritten later) give exactly the plain fp8 tokens."""
+    overwritten later) give exactly the plain fp8 tokens; in bf16 too, where the fused forward (AVX512-BF16
+    builds) writes and reads the codes and verification rows attend as one-token decodes do."""
     spec = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 3,
             "disable_by_batch_size": 1024}
-    speculating = make_core(model=str(tiny_model_path("llama")), max_model_len=128, max_num_seqs=4,
+    speculating = make_core(model=str(tiny_model_path("llama")), max_model_len=128, max_num_seqs=4, dtype=dtype,
                             kv_cache_dtype="fp8", speculative_config=spec, **MODES["chunked"])
-    plain = _fp8_core("chunked")
+    plain = _fp8_core("chunked", dtype=dtype)
     prompts = tokenize(plain, ["1, 2, 3, 4, 5, 6,", "The cat sat on the mat. The cat sat on the", *PROMPTS[:3]])
     assert _outputs(speculating, prompts, 24) == _outputs(plain, prompts, 24)
     reg, labels = speculating.metrics.registry, {"model_name": speculating.config.model}
