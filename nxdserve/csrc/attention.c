@@ -48,6 +48,55 @@ static inline void fp8_row(const uint8_t* src, float* dst, int64_t n, int e4m3) 
     for (int64_t d = 0; d < n; d++) dst[d] = e4m3 ? E4M3(src[d]) * (1.f / 256.f) : E5M2(src[d]);
 }
 #endif
+/* The code of y (fmt 1 e4m3fn, 2 e5m2) as torch casts an fp32 (``kv_quant.quantize``, after its clamp): saturated
+   at the format's largest value, rounded to nearest even, NaN kept. Integer arithmetic throughout (the kernels
+   build with -ffast-math, under which the compiler may fold NaN tests away): e4m3fn has 3 mantissa bits and bias 7
+   (largest 448, subnormal steps of 2^-9), e5m2 2 bits and bias 15 (57344, 2^-16). */
+static inline uint8_t fp8_code(float y, int fmt) {
+    union { float f; uint32_t u; } v = {y};
+    const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80);
+    const uint32_t a = v.u & 0x7FFFFFFFu;
+    const int mbits = fmt == 2 ? 2 : 3;
+    const uint32_t bias = fmt == 2 ? 15u : 7u;
+    const uint32_t largest = fmt == 2 ? 0x47600000u : 0x43E00000u; /* 57344.f, 448.f */
+    if (a > 0x7F800000u) return sign | 0x7F;                         /* NaN stays NaN (torch's clamp keeps it) */
+    const uint32_t m = a < largest ? a : largest;                    /* saturate, infinities included */
+    const uint32_t e = m >> 23;
+    if (e + bias > 127u) { /* normal in fp8: round the mantissa to mbits bits, nearest even; a carry moves e */
+        const uint32_t drop = 23u - (uint32_t)mbits;
+        const uint32_t r = m + ((1u << (drop - 1)) - 1u) + ((m >> drop) & 1u);
+        return sign | (uint8_t)((r >> drop) - ((127u - bias) << mbits));
+    }
+    /* subnormal in fp8 (or zero): (1.mant * 2^(e-127)) / 2^(1 - bias - mbits), rounded to nearest even; a
+       result of 1 << mbits is the first normal code, as it should be */
+    if (e == 0) return sign; /* fp32 zeros and subnormals are far below half a step */
+    const uint32_t full = (m & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 23u + (127u - bias - (uint32_t)mbits + 1u) - e;
+    if (shift >= 32u) return sign;
+    uint32_t q = full >> shift;
+    const uint32_t rest = full & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    q += rest > half || (rest == half && (q & 1u));
+    return sign | (uint8_t)q;
+}
+
+
+/* x / s correctly rounded, as torch divides before its cast: under -ffast-math a plain division may become a
+   product with the reciprocal (seen: other codes for 32 of 65536 bf16 values at scale 3.1). Only calculated
+   scales (--calculate-kv-scales) divide; 1.0 does not call this. */
+#if defined(__clang__)
+static float fp8_quotient(float x, float s) {
+#pragma float_control(precise, on)
+    return x / s;
+}
+#else
+__attribute__((noinline, optimize("no-fast-math"))) static float fp8_quotient(float x, float s) { return x / s; }
+#endif
+
+/* n fp32 values to codes as the fused forwards write them (tests compare it with torch's cast on every build). */
+void kv_fp8_store_f32(uint8_t* dst, const float* src, int64_t n, int32_t kv_fp8, float scale) {
+    for (int64_t i = 0; i < n; i++) dst[i] = fp8_code(scale == 1.f ? src[i] : fp8_quotient(src[i], scale), kv_fp8);
+}
+
 #define ROWS_EACH(dst, src, n, KLOAD) for (int64_t d = 0; d < n; d++) dst[d] = KLOAD(src[d])
 #define ROWS_E4M3(dst, src, n, KLOAD) fp8_row(src, dst, n, 1)
 #define ROWS_E5M2(dst, src, n, KLOAD) fp8_row(src, dst, n, 0)

@@ -256,46 +256,14 @@ static inline __mmask16 df_mask16(int64_t k) {
 static inline int64_t df_np(int64_t n) { return (n + 31) & ~(int64_t)31; }
 
 /* fp8 KV cache (kv_fp8: 1 e4m3fn, 2 e5m2; ``--kv-cache-dtype``). A token's K/V are written as codes the way
-   ``kv_quant.quantize`` casts them (x / scale in fp32, saturated at the format's largest value, rounded to
-   nearest even), so every path stores the same codes for the same values. An attention item widens its line's
+   ``kv_quant.quantize`` casts them (fp8_code, attention.c), so every path stores the same codes for the same
+   values. An attention item widens its line's
    keys and values into the thread's scratch as bf16 (exact: a code has at most four significant bits) and runs
    the bf16 item or block on them, K's scale folded into the softmax scale and V's applied to the output. */
-/* Integer arithmetic throughout (the kernels build with -ffast-math, under which GCC may turn a division into a
-   reciprocal's product and fold NaN tests away): e4m3fn has 3 mantissa bits and bias 7 (largest 448, subnormal
-   steps of 2^-9), e5m2 2 bits and bias 15 (57344, 2^-16). */
-static inline uint8_t df_fp8_code(float y, int fmt) {
-    union { float f; uint32_t u; } v = {y};
-    const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80);
-    const uint32_t a = v.u & 0x7FFFFFFFu;
-    const int mbits = fmt == 2 ? 2 : 3;
-    const uint32_t bias = fmt == 2 ? 15u : 7u;
-    const uint32_t largest = fmt == 2 ? 0x47600000u : 0x43E00000u; /* 57344.f, 448.f */
-    if (a > 0x7F800000u) return sign | 0x7F;                         /* NaN stays NaN (torch's clamp keeps it) */
-    const uint32_t m = a < largest ? a : largest;                    /* saturate, infinities included */
-    const uint32_t e = m >> 23;
-    if (e + bias > 127u) { /* normal in fp8: round the mantissa to mbits bits, nearest even; a carry moves e */
-        const uint32_t drop = 23u - (uint32_t)mbits;
-        const uint32_t r = m + ((1u << (drop - 1)) - 1u) + ((m >> drop) & 1u);
-        return sign | (uint8_t)((r >> drop) - ((127u - bias) << mbits));
-    }
-    /* subnormal in fp8 (or zero): (1.mant * 2^(e-127)) / 2^(1 - bias - mbits), rounded to nearest even; a
-       result of 1 << mbits is the first normal code, as it should be */
-    if (e == 0) return sign; /* fp32 zeros and subnormals are far below half a step */
-    const uint32_t full = (m & 0x7FFFFFu) | 0x800000u;
-    const uint32_t shift = 23u + (127u - bias - (uint32_t)mbits + 1u) - e;
-    if (shift >= 32u) return sign;
-    uint32_t q = full >> shift;
-    const uint32_t rest = full & ((1u << shift) - 1u), half = 1u << (shift - 1);
-    q += rest > half || (rest == half && (q & 1u));
-    return sign | (uint8_t)q;
-}
-
 void decode_forward_fp8_store(uint8_t* dst, const uint16_t* src, int64_t n, int32_t kv_fp8, float scale) {
-    const __m128 s = _mm_set_ss(scale);
     for (int64_t i = 0; i < n; i++) {
         const float x = bf2f(src[i]);
-        /* x / scale as one divss, as torch divides (not a reciprocal's product) */
-        dst[i] = df_fp8_code(scale == 1.f ? x : _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(x), s)), kv_fp8);
+        dst[i] = fp8_code(scale == 1.f ? x : fp8_quotient(x, scale), kv_fp8);
     }
 }
 

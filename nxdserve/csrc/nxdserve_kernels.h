@@ -49,6 +49,7 @@ void slot_attention_f32(const nxd_attention_args* a);
 /* An fp8 KV cache (uint8 codes): k and v are the new tokens' codes (already cast), written as bytes. */
 void slot_attention_fp8_bf16(const nxd_attention_args* a);
 void slot_attention_fp8_f32(const nxd_attention_args* a);
+void kv_fp8_store_f32(uint8_t* dst, const float* src, int64_t n, int32_t kv_fp8, float scale);
 
 /* ---- elementwise.c: layer ops and argmax ------------------------------------------------------------------ */
 void add_rmsnorm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, uint16_t* sum,
@@ -208,9 +209,11 @@ typedef struct nxd_qdecode_args {
     const int64_t* slots;
     const int64_t* pos;
     int64_t H, NH, NKV, D, I, c_ss, c_sh;
+    const float* kv_scales; /* (L, 2) K and V scales of an fp8 cache */
     float eps;
     int32_t nthreads;
     int32_t int8_activations;
+    int32_t kv_fp8; /* 0 an fp32 cache, 1 e4m3fn codes, 2 e5m2 codes */
 } nxd_qdecode_args;
 
 void qdecode_forward_f32(const nxd_qdecode_args* a);

@@ -189,9 +189,11 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
             const int32_t* fmt = a->formats + 4 * l;
             const qd_linear wqkv = qd_lin(p + QD_QKV, fmt[0], H), wo = qd_lin(p + QD_O, fmt[1], QS);
             const qd_linear wgu = qd_lin(p + QD_GU, fmt[2], H), wdown = qd_lin(p + QD_DOWN, fmt[3], I);
-            float* kc = (float*)p[QD_K_CACHE];
+            float* kc = (float*)p[QD_K_CACHE]; /* fp32, or fp8 codes (kv_fp8: offsets in elements all the same) */
             float* vc = (float*)p[QD_V_CACHE];
             const int64_t window = a->windows ? a->windows[l] : 0;
+            const int fp8 = a->kv_fp8;
+            const float ks = fp8 ? a->kv_scales[2 * l] : 1.f, vs = fp8 ? a->kv_scales[2 * l + 1] : 1.f;
 
             /* 1. input norm, q/k/v */
             qd_rmsnorm(x, (const float*)p[QD_IN_NORM], a->eps, h, T, H);
@@ -206,8 +208,17 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
                 qd_rope_head(row + head * D, a->cos + t * D, a->sin + t * D, D);
                 if (head >= NH) {
                     const int64_t j = head - NH, off = a->slots[t] * a->c_ss + j * a->c_sh + a->pos[t] * D;
-                    memcpy(kc + off, row + QS + j * D, sizeof(float) * (size_t)D);
-                    memcpy(vc + off, row + QS + KVS + j * D, sizeof(float) * (size_t)D);
+                    const float *k = row + QS + j * D, *v = row + QS + KVS + j * D;
+                    if (fp8) { /* the codes kv_quant.quantize casts (fp8_code, attention.c) */
+                        uint8_t *k8 = (uint8_t*)kc + off, *v8 = (uint8_t*)vc + off;
+                        for (int64_t d = 0; d < D; d++) {
+                            k8[d] = fp8_code(ks == 1.f ? k[d] : fp8_quotient(k[d], ks), fp8);
+                            v8[d] = fp8_code(vs == 1.f ? v[d] : fp8_quotient(v[d], vs), fp8);
+                        }
+                    } else {
+                        memcpy(kc + off, k, sizeof(float) * (size_t)D);
+                        memcpy(vc + off, v, sizeof(float) * (size_t)D);
+                    }
                 }
             }
 
@@ -217,12 +228,27 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
                 const int64_t t = it / NKV, j = it % NKV, pos = a->pos[t];
                 const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
                 const float* q = qkv + t * NQKV + j * G * D;
-                const float* kb = kc + a->slots[t] * a->c_ss + j * a->c_sh + lo * D;
-                const float* vb = vc + a->slots[t] * a->c_ss + j * a->c_sh + lo * D;
+                const int64_t line = a->slots[t] * a->c_ss + j * a->c_sh + lo * D, n = pos + 1 - lo;
                 float* o = attn + t * QS + j * G * D;
-                if (D == 64) item_f32_64(q, D, kb, vb, pos + 1 - lo, G, D, scale, sc, o, 1.f);
-                else if (D == 128) item_f32_128(q, D, kb, vb, pos + 1 - lo, G, D, scale, sc, o, 1.f);
-                else item_f32_any(q, D, kb, vb, pos + 1 - lo, G, D, scale, sc, o, 1.f);
+                if (fp8) { /* slot_attention_fp8_f32's items: e4m3 rows read as value / 256, the 256 in the scales */
+                    const uint8_t *kb = (const uint8_t*)kc + line, *vb = (const uint8_t*)vc + line;
+                    const float u = fp8 == 2 ? 1.f : 256.f, s8 = scale * ks * u, v8 = vs * u;
+                    if (fp8 == 2) {
+                        if (D == 64) item_e5m2_f32_64(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+                        else if (D == 128) item_e5m2_f32_128(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+                        else item_e5m2_f32_any(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+                    } else {
+                        if (D == 64) item_e4m3_f32_64(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+                        else if (D == 128) item_e4m3_f32_128(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+                        else item_e4m3_f32_any(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+                    }
+                    continue;
+                }
+                const float* kb = kc + line;
+                const float* vb = vc + line;
+                if (D == 64) item_f32_64(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
+                else if (D == 128) item_f32_128(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
+                else item_f32_any(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
             }
 
             /* 4. o-proj and the residual */

@@ -141,7 +141,37 @@ static int chunks_ok(int64_t n, int nt, int64_t unit) {
     return good;
 }
 
+/* fp8_code (the fused quantized forward's KV cast, attention.c) at scale 1 against the nearest code found by
+   search, ties to the even code; every bf16 value, both formats. Differences to the two codes around a value are
+   exact (Sterbenz), so the search is exact under -ffast-math too. */
+static int fp8_codes_ok(void) {
+    for (int fmt = 1; fmt <= 2; fmt++) {
+        const int top = fmt == 2 ? 0x7B : 0x7E; /* the largest finite code */
+        for (uint32_t b = 0; b < 65536; b++) {
+            union { uint32_t u; float f; } v = {b << 16};
+            if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) continue; /* NaN */
+            float a = fabsf(v.f), best_diff = 0.f;
+            int best = -1;
+            for (int c = 0; c <= top; c++) {
+                const float d = fmt == 2 ? E5M2((uint8_t)c) : E4M3((uint8_t)c);
+                const float diff = d > a ? d - a : a - d;
+                if (best < 0 || diff < best_diff || (diff == best_diff && !(c & 1))) { best = c; best_diff = diff; }
+            }
+            if (a >= (fmt == 2 ? E5M2((uint8_t)top) : E4M3((uint8_t)top))) best = top; /* saturation */
+            const uint8_t want = (uint8_t)(((v.u >> 24) & 0x80) | (uint32_t)best);
+            uint8_t got;
+            kv_fp8_store_f32(&got, &v.f, 1, fmt, 1.f);
+            if (got != want) {
+                printf("fp8 %d: %g coded %d, the nearest code is %d\n", fmt, (double)v.f, got, want);
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
 int main(void) {
+    if (!fp8_codes_ok()) return 1;
     static const int64_t chunk_ns[] = {0, 1, 7, 8, 9, 100, 480, 1536, 49152, 1000003, 100000000};
     for (size_t i = 0; i < sizeof chunk_ns / sizeof *chunk_ns; i++)
         for (int nt = 1; nt <= 256; nt *= 4)

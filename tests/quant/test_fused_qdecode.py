@@ -41,9 +41,12 @@ def _model(family: str, method: str) -> LlamaFamilyModel:
 _meta = functools.partial(slot_meta, max_len=MAX_LEN)  # one step's AttentionMetadata in a MAX_LEN cache
 
 
-def _prefilled(model: LlamaFamilyModel, gen: torch.Generator) -> SlotKVCache:
-    """Four slots prefilled layer by layer (17+ tokens per forward: above quant.dense_rows, never fused)."""
-    cache = model.new_kv_cache(len(PROMPT_LENS), MAX_LEN)
+def _prefilled(
+    model: LlamaFamilyModel, gen: torch.Generator, storage: torch.dtype | None = None, calculate: bool = False
+) -> SlotKVCache:
+    """Four slots prefilled layer by layer (17+ tokens per forward: above quant.dense_rows, never fused).
+    ``storage``, ``calculate``: an fp8 cache, with scales from the first prompt's K/V."""
+    cache = model.new_kv_cache(len(PROMPT_LENS), MAX_LEN, storage, calculate)
     for slot, n in enumerate(PROMPT_LENS):
         prompt = torch.randint(0, model.vocab_size, (n,), generator=gen)
         with torch.inference_mode():
@@ -66,7 +69,12 @@ STEPS = {
 
 
 def _run_step(
-    model: LlamaFamilyModel, fused: bool, step: str, threads: int = 1
+    model: LlamaFamilyModel,
+    fused: bool,
+    step: str,
+    threads: int = 1,
+    storage: torch.dtype | None = None,
+    calculate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A prefilled cache, then one step, fused or layer by layer: (hidden, logits, the whole KV cache)."""
     gen = torch.Generator().manual_seed(11)
@@ -76,7 +84,7 @@ def _run_step(
     saved = fused_qdecode.enabled
     with single_torch_thread():
         fused_qdecode.enabled = False
-        cache = _prefilled(model, torch.Generator().manual_seed(5))
+        cache = _prefilled(model, torch.Generator().manual_seed(5), storage, calculate)
         fused_qdecode.enabled = fused
         torch.set_num_threads(threads)
         try:
@@ -127,6 +135,31 @@ def test_int8_activations_reach_the_fused_step(kernel_path: str, method: str) ->
         _assert_same(fused, layered)
         assert not torch.equal(fused[1], exact[1])
         torch.testing.assert_close(fused[1], exact[1], rtol=0.05, atol=float(exact[1].abs().max()) * 0.05)
+
+
+@pytest.mark.parametrize(
+    ("storage", "calculate"),
+    [(torch.float8_e4m3fn, False), (torch.float8_e5m2, False), (torch.float8_e4m3fn, True)],
+    ids=["e4m3", "e5m2", "e4m3-calculated"],
+)
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "llama-linear-bias"])
+def test_fused_step_on_an_fp8_cache_equals_the_layer_path(
+    kernel_path: str, family: str, storage: torch.dtype, calculate: bool
+) -> None:
+    """--kv-cache-dtype fp8: the fused forward writes the codes torch casts (calculated scales divided as torch
+    divides) and attends with the layer path's fp8 items, so the same codes and, to fp32 rounding, the same
+    outputs; windows, biases, decode and verification rows, on every kernel build."""
+    model = _model(family, "int4-g32")
+    for step in ("four-slots", "verify"):
+        fused = _run_step(model, True, step, storage=storage, calculate=calculate)
+        layer = _run_step(model, False, step, storage=storage, calculate=calculate)
+        # K/V equal to fp32 rounding may still straddle a code boundary: at most a few codes, one step apart.
+        codes, ref_codes = fused[2].view(torch.uint8), layer[2].view(torch.uint8)
+        flipped = codes != ref_codes
+        assert int(flipped.sum()) <= 2, int(flipped.sum())
+        assert torch.all((codes[flipped].int() - ref_codes[flipped].int()).abs() == 1)
+        if not flipped.any():
+            _assert_same(fused[:2], layer[:2])
 
 
 @pytest.mark.parametrize("step", ["four-slots", "verify"])
@@ -197,9 +230,11 @@ def test_accepts_falls_back_where_it_does_not_apply() -> None:
         assert not fused.accepts(torch.zeros(rows + 1, dtype=torch.long), _meta(model, [0], [0], [rows + 1]), cache)
         # a slot outside this cache
         assert not fused.accepts(torch.tensor([1]), _meta(model, [5], [3], [1]), cache)
-        # an fp8 KV cache
+        # an fp8 KV cache: fused, but not before its calculated scales are set (the layer path sets them)
         fp8_cache = model.new_kv_cache(4, MAX_LEN, storage=torch.float8_e4m3fn)
-        assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), fp8_cache)
+        assert fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), fp8_cache)
+        pending = model.new_kv_cache(4, MAX_LEN, storage=torch.float8_e4m3fn, calculate_scales=True)
+        assert not fused.accepts(torch.tensor([1]), _meta(model, [0], [3], [1]), pending)
         # a dense layer among the quantized ones
         layer = model.layers[1]
         saved = layer.o_weight

@@ -251,6 +251,34 @@ def test_bf16_fused_forward_takes_an_fp8_cache_with_its_scales_set() -> None:
         assert not model.fused_decode.accepts(torch.zeros(2, dtype=torch.long), decode, runner.kv_cache)
 
 
+@pytest.mark.parametrize("path", [p for p in cpu_kernels.runnable_paths() if p != "none"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fused_quantized_forward_writes_torchs_codes_on_every_path(path: str, name: str) -> None:
+    """The cast the fused quantized forward (csrc/qdecode.c) writes with, on each build this CPU runs: every
+    bf16 value and 100k random fp32 values of every magnitude, at scales whose quotients round differently."""
+    from nxdserve.cpu_options import CpuOptions
+    from nxdserve.engine.models import cpu_setup
+
+    try:
+        assert cpu_setup.apply(CpuOptions(isa=path)) == path
+        lib = cpu_kernels._library()
+        assert lib is not None
+        dtype, fmt = FP8[name], 1 if name == "fp8_e4m3" else 2
+        every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        gen = torch.Generator().manual_seed(8)
+        spread = torch.randn(100_000, generator=gen) * torch.exp2(torch.randint(-30, 20, (100_000,), generator=gen))
+        values = torch.cat((every, spread))
+        got = torch.empty(values.numel(), dtype=torch.uint8)
+        for scale in (1.0, 0.37, 3.1, 1e-3, 250.0):
+            lib.kv_fp8_store_f32(got.data_ptr(), values.data_ptr(), values.numel(), fmt, scale)
+            want = kv_quant.quantize(values, scale, dtype).view(torch.uint8)
+            nan = torch.isnan(values)
+            assert torch.equal(got[~nan], want[~nan]), scale
+            assert torch.equal(got[nan] & 0x7F, want[nan] & 0x7F)
+    finally:
+        cpu_setup.apply(CpuOptions())
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_fused_forward_writes_torchs_codes_for_every_bf16_value(name: str) -> None:
     """The fused forward's own cast (csrc/decode.c) against ``kv_quant.quantize``: every bf16 value (subnormals,

@@ -28,6 +28,8 @@ KERNEL_TESTS = [
     "tests/quant/test_fused_qdecode.py::test_fused_step_equals_the_layer_path",
     "tests/quant/test_fused_qdecode.py::test_fused_step_on_three_threads_equals_the_layer_path",
     "tests/quant/test_fused_qdecode.py::test_fused_step_covers_biases_windows_and_head_shapes",
+    "tests/quant/test_fused_qdecode.py::test_fused_step_on_an_fp8_cache_equals_the_layer_path",
+    "tests/unit/test_fused_layer_tables.py",
 ]
 RUNNER = """
 import sys

@@ -77,6 +77,19 @@ class SlotKVCache:
         return self.data[index, 0], self.data[index, 1]
 
     @property
+    def fp8_format(self) -> int:
+        """The fused C forwards' ``kv_fp8``: 0 a cache in the model dtype, 1 e4m3fn codes, 2 e5m2 codes."""
+        if not self.quantized:
+            return 0
+        return 2 if self.data.dtype == torch.float8_e5m2 else 1
+
+    @property
+    def scales_set(self) -> bool:
+        """Whether every layer's fp8 scales are set (calculated ones by the first forward that writes the layer);
+        True for a cache in the model dtype."""
+        return self.scales is None or not self.scales.num_pending
+
+    @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 

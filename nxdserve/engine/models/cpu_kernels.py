@@ -270,7 +270,7 @@ class QdecodeArgs(ctypes.Structure):
     _fields_ = [
         *_fields("x", _p), *_fields("T", _i64), *_fields("lw formats windows", _p), *_fields("L", _i64),
         *_fields("final_norm cos sin slots pos", _p), *_fields("H NH NKV D I c_ss c_sh", _i64),
-        ("eps", _f32), ("nthreads", _i32), ("int8_activations", _i32),
+        *_fields("kv_scales", _p), ("eps", _f32), ("nthreads", _i32), ("int8_activations", _i32), ("kv_fp8", _i32),
     ]  # fmt: skip
 
 
@@ -362,6 +362,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.qgemm_i8_f32.argtypes, lib.qgemm_i8_f32.restype = [ctypes.POINTER(QgemmArgs)], None
     lib.q_widen_f32.argtypes, lib.q_widen_f32.restype = [ctypes.POINTER(QgemmArgs), _p], None
     lib.qdecode_forward_f32.argtypes, lib.qdecode_forward_f32.restype = [ctypes.POINTER(QdecodeArgs)], None
+    lib.kv_fp8_store_f32.argtypes, lib.kv_fp8_store_f32.restype = [_p, _p, _i64, _i32, _f32], None
     lib.omp_bind_team.argtypes = [ctypes.c_int, _p, ctypes.c_int, ctypes.c_int]
     lib.omp_bind_team.restype = ctypes.c_int
     lib.gemm_amx.restype = ctypes.c_int

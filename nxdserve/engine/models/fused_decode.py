@@ -72,17 +72,6 @@ def _dense(weight: torch.Tensor | QuantLinear) -> torch.Tensor:
     return weight.dense_copy(torch.bfloat16) if isinstance(weight, QuantLinear) else weight
 
 
-def _scales_set(kv_cache: SlotKVCache) -> bool:
-    return kv_cache.scales is not None and not kv_cache.scales.num_pending
-
-
-def _fp8_format(kv_cache: SlotKVCache) -> int:
-    """``kv_fp8`` of the C forward: 0 a cache in the model dtype, 1 e4m3fn codes, 2 e5m2 codes."""
-    if not kv_cache.quantized:
-        return 0
-    return 2 if kv_cache.data.dtype == torch.float8_e5m2 else 1
-
-
 def available() -> bool:
     return enabled and cpu_kernels.available() and cpu_kernels.built("decode_forward_available")
 
@@ -140,7 +129,7 @@ class FusedDecode:
             and meta.max_end <= kv_cache.max_len
             # An fp8 cache: the C forward writes and reads its codes once every layer's scales are set (the layer
             # path's first forward sets calculated ones); draft alternatives on it take the layer path.
-            and (not kv_cache.quantized or (meta.alts is None and _scales_set(kv_cache)))
+            and (not kv_cache.quantized or (meta.alts is None and kv_cache.scales_set))
             and meta.use_kernel
             # The C forward has no LoRA: a step with an adapter row takes the layer-by-layer path.
             and meta.lora is None
@@ -279,8 +268,8 @@ class FusedDecode:
         # + 24 per token: the attention block, alternative group and token kind tables (6 int64 per token) after
         # the activations
         work = self._buffer(0, t * (s.hidden_size + qkv + s.q_size + 3 * s.intermediate_size + 24), torch.bfloat16)
-        kv_fp8 = _fp8_format(kv_cache)
-        scales = kv_cache.scales.cpu_pairs() if kv_fp8 and kv_cache.scales is not None else None
+        kv_fp8 = kv_cache.fp8_format
+        scales = kv_cache.scales.cpu_pairs() if kv_cache.scales is not None else None
         per_thread = lib.decode_forward_scratch(s.num_heads // s.num_kv_heads, meta.max_end, s.head_dim, kv_fp8)
         scratch = self._buffer(1, threads * per_thread, torch.float32)
         k_cache, _ = kv_cache.layer(0)

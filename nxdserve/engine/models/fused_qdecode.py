@@ -3,10 +3,12 @@
 A model served from its 4/8-bit codes (``quant.QuantLinear``: GGUF blocks, ``--quantization``, compressed-tensors)
 runs a small step's linears in ``csrc/qgemm.c``; layer by layer that is ~4 ctypes calls and OpenMP team wake-ups
 per layer with Python's norms, RoPE, attention and SiLU in between. ``FusedQuantDecode`` runs all layers in one
-parallel region instead, the same arithmetic (fp32 activations and KV cache, codes widened in registers).
+parallel region instead, the same arithmetic (fp32 activations and KV cache, codes widened in registers). An fp8
+KV cache (``--kv-cache-dtype``) it writes as torch casts and reads with the layer path's fp8 attention items.
 
 ``accepts`` decides per forward; everything else takes the layer path: more tokens than ``max_rows()`` (more than
-``max_decode_rows()`` for a step of one token per row), a bf16 model or an fp8 KV cache, draft alternatives, a LoRA
+``max_decode_rows()`` for a step of one token per row), a bf16 model, an fp8 KV cache whose calculated scales are not
+set yet, draft alternatives, a LoRA
 adapter row, q/k norms, activations other than SiLU, any linear that is not a kernel-format QuantLinear (mixed
 dense/quantized stacks, q8_0 groups that are not multiples of 32, padded K), autograd, no C kernels
 (``--cpu-isa none``). ``CpuOptions.fused_quant_decode`` turns it off (A/B measurements).
@@ -35,6 +37,7 @@ enabled = True  # set from CpuOptions.fused_quant_decode (cpu_setup.apply)
 # rows: the forward keeps T rows' scratch per thread and its row tiles are sized for decode.
 MAX_ROWS_UNBOUNDED = 16
 _LINEARS = ("qkv", "o", "gate_up", "down")
+_CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 _WEIGHT_AND_BIAS_ATTRS = tuple(f"{name}_{part}" for name in _LINEARS for part in ("weight", "bias"))
 
 
@@ -161,7 +164,9 @@ class FusedQuantDecode:
             and 0 < meta.num_tokens <= (max_decode_rows() if _one_token_rows(meta) else max_rows())
             and meta.lora is None
             and meta.use_kernel
-            and kv_cache.data.dtype == torch.float32  # fp32 model, no fp8 cache
+            and kv_cache.dtype == torch.float32  # an fp32 model's cache: fp32, or fp8 codes once its scales are set
+            and kv_cache.data.dtype in _CACHE_DTYPES
+            and kv_cache.scales_set
             and kv_cache.data.device.type == "cpu"
             # The C code trusts its indices: rows outside this cache take the checked torch path.
             and meta.max_slot < kv_cache.num_slots
@@ -231,12 +236,14 @@ class FusedQuantDecode:
         k_cache, _ = kv_cache.layer(0)
         if on_compute is not None:
             on_compute()
+        scales = kv_cache.scales.cpu_pairs() if kv_cache.scales is not None else None
         args = cpu_kernels.QdecodeArgs(
             x.data_ptr(), t, ctypes.addressof(table.pointers), ctypes.addressof(table.formats),
             ctypes.addressof(table.windows), len(self.layers), self.final_norm.weight.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), positions.data_ptr(),
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
-            k_cache.stride(0), k_cache.stride(1), self.eps, torch.get_num_threads(), int(quant.int8_activations),
+            k_cache.stride(0), k_cache.stride(1), None if scales is None else scales.data_ptr(), self.eps,
+            torch.get_num_threads(), int(quant.int8_activations), kv_cache.fp8_format,
         )  # fmt: skip
         lib.qdecode_forward_f32(ctypes.byref(args))
         return x if keep is None else x[keep.to(torch.int64)]
