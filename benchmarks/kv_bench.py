@@ -3,7 +3,7 @@ a long prompt (default 1500 tokens) as one stream and as N concurrent streams, a
 Prints a table (tok/s, ratio to auto at the same batch, KV cache MiB) and writes JSON.
 
     PYTHONPATH=$PWD python benchmarks/kv_bench.py [--context 1500] [--batches 1 32] [--tokens 32] [--dtype auto]
-        [--kv-cache-dtypes auto fp8 fp8:layers]
+        [--kv-cache-dtypes auto fp8 fp8:layers] [--cpu-isa avx2]
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per stream (timed)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"],
-                    help="a value with ':layers' runs it with the fused bf16 forward off (--no-cpu-fused-decode)")
+                    help="a value with ':layers' runs it with the fused forwards off (--no-cpu-fused-decode, "
+                         "--no-cpu-fused-quant-decode)")
+    ap.add_argument("--cpu-isa", default="auto", help="the C kernels' build (--cpu-isa); for avx2 set "
+                    "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 too")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows: list[dict[str, object]] = []
@@ -43,7 +46,8 @@ def main() -> None:
         config = EngineConfig(model=None, backend="torch", device="cpu", dtype=args.dtype, kv_cache_dtype=kv_dtype,
                               max_model_len=args.context + args.tokens + 8, max_num_seqs=max(args.batches),
                               enable_chunked_prefill=False, max_consecutive_prefill_steps=1 << 30,
-                              cpu=CpuOptions(fused_decode=path != "layers"))
+                              cpu=CpuOptions(isa=args.cpu_isa, fused_decode=path != "layers",
+                                             fused_quant_decode=path != "layers"))
         core, _ = build_engine_core(config, with_metrics=False)
         text = SAMPLE.read_text()
         ids = list(core.tokenizer.encode(text))
