@@ -251,6 +251,18 @@ def test_bf16_fused_forward_takes_an_fp8_cache_with_its_scales_set() -> None:
         assert not model.fused_decode.accepts(torch.zeros(2, dtype=torch.long), decode, runner.kv_cache)
 
 
+def _assert_torchs_codes(store: Any, values: torch.Tensor, dtype: torch.dtype, fmt: int) -> None:
+    """``store(dst, src, n, fmt, scale)`` (a C cast) gives ``kv_quant.quantize``'s codes for every value, at scales
+    whose quotients round differently in fp32; NaN stays NaN (either sign)."""
+    got = torch.empty(values.numel(), dtype=torch.uint8)
+    nan = torch.isnan(values)
+    for scale in (1.0, 0.37, 3.1, 1e-3, 250.0):
+        store(got.data_ptr(), values.data_ptr(), values.numel(), fmt, scale)
+        want = kv_quant.quantize(values, scale, dtype).view(torch.uint8)
+        assert torch.equal(got[~nan], want[~nan]), scale
+        assert torch.equal(got[nan] & 0x7F, want[nan] & 0x7F)
+
+
 @pytest.mark.parametrize("path", [p for p in cpu_kernels.runnable_paths() if p != "none"])
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_fused_quantized_forward_writes_torchs_codes_on_every_path(path: str, name: str) -> None:
@@ -268,13 +280,7 @@ def test_fused_quantized_forward_writes_torchs_codes_on_every_path(path: str, na
         gen = torch.Generator().manual_seed(8)
         spread = torch.randn(100_000, generator=gen) * torch.exp2(torch.randint(-30, 20, (100_000,), generator=gen))
         values = torch.cat((every, spread))
-        got = torch.empty(values.numel(), dtype=torch.uint8)
-        for scale in (1.0, 0.37, 3.1, 1e-3, 250.0):
-            lib.kv_fp8_store_f32(got.data_ptr(), values.data_ptr(), values.numel(), fmt, scale)
-            want = kv_quant.quantize(values, scale, dtype).view(torch.uint8)
-            nan = torch.isnan(values)
-            assert torch.equal(got[~nan], want[~nan]), scale
-            assert torch.equal(got[nan] & 0x7F, want[nan] & 0x7F)
+        _assert_torchs_codes(lib.kv_fp8_store_f32, values, dtype, fmt)
     finally:
         cpu_setup.apply(CpuOptions())
 
@@ -292,13 +298,7 @@ def test_fused_forward_writes_torchs_codes_for_every_bf16_value(name: str) -> No
     assert lib is not None
     dtype, fmt = FP8[name], 1 if name == "fp8_e4m3" else 2
     every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    got = torch.empty(every.numel(), dtype=torch.uint8)
-    for scale in (1.0, 0.37, 3.1, 1e-3, 250.0):
-        lib.decode_forward_fp8_store(got.data_ptr(), every.data_ptr(), every.numel(), fmt, scale)
-        want = kv_quant.quantize(every, scale, dtype).view(torch.uint8)
-        nan = torch.isnan(every)
-        assert torch.equal(got[~nan], want[~nan]), scale
-        assert torch.equal(got[nan] & 0x7F, want[nan] & 0x7F)  # NaN codes (either sign)
+    _assert_torchs_codes(lib.decode_forward_fp8_store, every, dtype, fmt)
     codes = torch.arange(256, dtype=torch.uint8)
     widened = torch.empty(256, dtype=torch.bfloat16)
     lib.decode_forward_fp8_widen(codes.data_ptr(), widened.data_ptr(), 256, fmt)
