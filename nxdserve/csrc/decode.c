@@ -116,18 +116,56 @@ static inline __m512 df_sum16(const __m512* v) {
     return _mm512_permutexvar_ps(idx, r);
 }
 
+/* fp8 codes to bf16 values, 32 at a time in integer arithmetic (exact: a code has at most four significant bits):
+   a normal code's exponent and mantissa bits shifted to bf16's places plus the difference of the biases (e4m3fn:
+   3 mantissa bits, bias 7; e5m2: 2 bits, bias 15), the subnormal codes (exponent field 0: 7 of them in e4m3fn, 3 in
+   e5m2) looked up, the sign (sign-extended into bit 15) or-ed in. vcvtph2ps per 16 codes, then truncating the
+   fp32, ran at 0.4x this speed. */
+typedef struct { __m512i mag_mask, sign_mask, bias, first_normal, table, shift; } df_fp8_consts;
+
+static inline df_fp8_consts df_fp8_setup(int kv_fp8) {
+    const int e5m2 = kv_fp8 == 2;
+    uint16_t sub[32] __attribute__((aligned(64))) = {0}; /* bf16 bits of m * 2^-9 (e4m3fn), m * 2^-16 (e5m2) */
+    for (int m = 1; m < (e5m2 ? 4 : 8); m++) {
+        union { float f; uint32_t u; } v = {(float)m * (e5m2 ? 0x1p-16f : 0x1p-9f)};
+        sub[m] = (uint16_t)(v.u >> 16);
+    }
+    df_fp8_consts f = {_mm512_set1_epi16(0x7F), _mm512_set1_epi16((short)0x8000),
+                       _mm512_set1_epi16(e5m2 ? 112 << 7 : 120 << 7), _mm512_set1_epi16(e5m2 ? 4 : 8),
+                       _mm512_load_si512(sub), _mm512_set1_epi16(e5m2 ? 5 : 4)};
+    return f;
+}
+
+static inline __m512i df_fp8_convert(__m512i c, const df_fp8_consts* f) {
+    const __m512i mag = _mm512_and_si512(c, f->mag_mask);
+    __m512i v = _mm512_add_epi16(_mm512_sllv_epi16(mag, f->shift), f->bias);
+    v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, f->first_normal), mag, f->table);
+    return _mm512_ternarylogic_epi32(v, c, f->sign_mask, 0xF8); /* v | (c & sign) */
+}
+
+static inline __m512i df_fp8_32(const uint8_t* p, const df_fp8_consts* f) {
+    return df_fp8_convert(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)), f);
+}
+
 /* V rows v0 and v0 + 64 (zeros for the second when !two) interleaved into bf16 pairs for p . v: one
    vdpbf16ps with (p_j, p_j+1) broadcast then does two keys for 16 dims. Lane 4q + r of i[c] is dim
    32 * (c / 2) + 8q + 4 * (c % 2) + r (unpack works within 128-bit lanes); df_store_row undoes that. */
-static inline void df_v_pairs(const uint16_t* v0, int two, __m512bh* i) {
-    __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
-    __m512i b0 = two ? _mm512_loadu_si512(v0 + 64) : _mm512_setzero_si512();
-    __m512i b1 = two ? _mm512_loadu_si512(v0 + 96) : _mm512_setzero_si512();
-    i[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
-    i[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
-    i[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
-    i[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
+#define DF_V_PAIRS(NAME, T, LOAD32)                                                                     \
+static inline void NAME(const T* v0, int two, __m512bh* i, const df_fp8_consts* fl) {                  \
+    (void)fl;                                                                                           \
+    __m512i a0 = LOAD32(v0), a1 = LOAD32(v0 + 32);                                                      \
+    __m512i b0 = two ? LOAD32(v0 + 64) : _mm512_setzero_si512();                                        \
+    __m512i b1 = two ? LOAD32(v0 + 96) : _mm512_setzero_si512();                                        \
+    i[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);                                                    \
+    i[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);                                                    \
+    i[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);                                                    \
+    i[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);                                                    \
 }
+#define DF_LOAD_BF16(p) _mm512_loadu_si512(p)
+#define DF_LOAD_FP8(p) df_fp8_32((p), fl)
+DF_V_PAIRS(df_v_pairs_any, uint16_t, DF_LOAD_BF16)
+DF_V_PAIRS(df_v_pairs_fp8, uint8_t, DF_LOAD_FP8)
+static inline void df_v_pairs(const uint16_t* v0, int two, __m512bh* i) { df_v_pairs_any(v0, two, i, NULL); }
 
 /* One query head's four p . v accumulators (lanes in df_v_pairs' order) -> o[0..63] = bf16(acc * inv). */
 static inline void df_store_row(const __m512* acc, float inv, uint16_t* o) {
@@ -148,10 +186,17 @@ static inline void df_store_row(const __m512* acc, float inv, uint16_t* o) {
    (measured alone, one thread, 100 keys: 0.8 us with K and V in cache, 3-4.5 us cold). So q . k pulls this
    item's V rows into L2 as it goes, and p . v pulls in nk_lines cache lines from nk: the start of the
    thread's next item's K (NULL: none). */
-#define DF_ITEM64(GG)                                                                                  \
-static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t* vb, int64_t n,         \
-                           float scale, float vs, float* sc, uint16_t* o, const char* nk,                \
-                           int64_t nk_lines) {                                                            \
+/* fp8 items (df_item64_fp8_*) read the codes and widen them in registers as they go (df_fp8_32); their rows are
+   64 bytes, and a line is read 128 rows (8 KB) ahead, as the scratch widening measured best. */
+#define DF_ITEM64(GG) DF_ITEM64_KV(df_item64_##GG, GG, uint16_t, DF_LOAD_BF16, df_v_pairs_any, 16)
+#define DF_ITEM64_FP8(GG) DF_ITEM64_KV(df_item64_fp8_##GG, GG, uint8_t, DF_LOAD_FP8, df_v_pairs_fp8, 128)
+#define DF_ITEM64_KV(NAME, GG, KT, LOAD32, VPAIRS, AHEAD)                                               \
+static void NAME(const uint16_t* q, const KT* kb, const KT* vb, int64_t n, float scale, float vs,       \
+                 float* sc, uint16_t* o, const char* nk, int64_t nk_lines, const df_fp8_consts* f) {   \
+    df_fp8_consts fc; /* a local copy: the stores to sc could alias *f, a vector type */               \
+    if (f) fc = *f;                                                                                     \
+    const df_fp8_consts* fl = &fc;                                                                      \
+    (void)fl;                                                                                           \
     __m512bh qv[GG][2]; /* a zmm holds 32 bf16: half a row */                                          \
     for (int g = 0; g < GG; g++) {                                                                     \
         qv[g][0] = (__m512bh)_mm512_loadu_si512(q + g * 64);                                           \
@@ -162,12 +207,12 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
         __m512 part[GG][16];                                                                           \
         for (int64_t j = 0; j < 16; j++) {                                                             \
             if (j < nb) {                                                                              \
-                const uint16_t* kr = kb + (j0 + j) * 64;                                               \
-                __builtin_prefetch(kr + 16 * 64);                                                      \
-                __builtin_prefetch((const char*)(kr + 16 * 64) + 64);                                  \
+                const KT* kr = kb + (j0 + j) * 64;                                                     \
+                __builtin_prefetch(kr + AHEAD * 64);                                                   \
+                __builtin_prefetch((const char*)(kr + AHEAD * 64) + 64);                               \
                 _mm_prefetch((const char*)(vb + (j0 + j) * 64), _MM_HINT_T1);                          \
                 _mm_prefetch((const char*)(vb + (j0 + j) * 64) + 64, _MM_HINT_T1);                     \
-                __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 32); \
+                __m512bh k0 = (__m512bh)LOAD32(kr), k1 = (__m512bh)LOAD32(kr + 32);                    \
                 for (int g = 0; g < GG; g++)                                                           \
                     part[g][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1); \
             } else {                                                                                   \
@@ -206,10 +251,10 @@ static void df_item64_##GG(const uint16_t* q, const uint16_t* kb, const uint16_t
     int64_t nk_due = 0; /* nk_lines spread evenly over the pairs (Bresenham) */                        \
     for (int64_t j = 0; j < n; j += 2) {                                                               \
         for (nk_due += nk_lines; nk_due >= pairs; nk_due -= pairs, nk += 64) _mm_prefetch(nk, _MM_HINT_T1); \
-        const uint16_t* v0 = vb + j * 64;                                                              \
+        const KT* v0 = vb + j * 64;                                                                    \
         int two = j + 1 < n;                                                                           \
         __m512bh i[4];                                                                                 \
-        df_v_pairs(v0, two, i);                                                                        \
+        VPAIRS(v0, two, i, fl);                                                                        \
         for (int g = 0; g < GG; g++) {                                                                 \
             uint32_t pj, pk = 0;                                                                       \
             memcpy(&pj, sc + g * n + j, 4);                                                            \
@@ -267,34 +312,17 @@ void decode_forward_fp8_store(uint8_t* dst, const uint16_t* src, int64_t n, int3
     }
 }
 
-/* n codes to bf16 values, 32 at a time in integer arithmetic: a normal code's exponent and mantissa bits,
-   shifted to bf16's places, plus the difference of the biases (e4m3fn: 3 mantissa bits, bias 7; e5m2: 2 bits,
-   bias 15); the subnormal codes (exponent field 0: 7 of them in e4m3fn, 3 in e5m2) looked up; the sign moved
-   from bit 7 to bit 15. (vcvtph2ps per 16 codes, then truncating the fp32: 0.4x this speed.) */
 #define DF_WIDEN_AHEAD 8192 /* bytes of codes read ahead */
+/* n codes to bf16 values (df_fp8_convert) into dst. */
 void decode_forward_fp8_widen(const uint8_t* src, uint16_t* dst, int64_t n, int32_t kv_fp8) {
-    const int e5m2 = kv_fp8 == 2;
-    const __m512i mag_mask = _mm512_set1_epi16(0x7F), sign_mask = _mm512_set1_epi16((short)0x8000);
-    const __m512i bias = _mm512_set1_epi16(e5m2 ? 112 << 7 : 120 << 7);
-    const __m512i first_normal = _mm512_set1_epi16(e5m2 ? 4 : 8);
-    /* bf16 bits of the subnormal codes m = 0..7: m * 2^-9 (e4m3fn), m * 2^-16 (e5m2, m < 4) */
-    uint16_t sub[32] __attribute__((aligned(64))) = {0};
-    for (int m = 1; m < (e5m2 ? 4 : 8); m++) {
-        union { float f; uint32_t u; } v = {(float)m * (e5m2 ? 0x1p-16f : 0x1p-9f)};
-        sub[m] = (uint16_t)(v.u >> 16);
-    }
-    const __m512i table = _mm512_load_si512(sub);
+    const df_fp8_consts f = df_fp8_setup(kv_fp8);
     for (int64_t i = 0; i < n; i += 32) {
         /* A line of ~64 KB (1000 keys of 64) is too short for the hardware prefetcher: without this the widening
            read 2.7 GB/s a thread from DRAM, where the bf16 items stream 9. */
         if (!(i & 63)) _mm_prefetch((const char*)src + i + DF_WIDEN_AHEAD, _MM_HINT_T0);
         const __mmask32 m = n - i >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (n - i)) - 1u);
-        /* sign-extended, so the code's sign lands in bit 15 */
         const __m512i c = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, src + i));
-        const __m512i mag = _mm512_and_si512(c, mag_mask);
-        __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, e5m2 ? 5 : 4), bias);
-        v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, first_normal), mag, table);
-        _mm512_mask_storeu_epi16(dst + i, m, _mm512_ternarylogic_epi32(v, c, sign_mask, 0xF8)); /* v | (c & sign) */
+        _mm512_mask_storeu_epi16(dst + i, m, df_fp8_convert(c, &f));
     }
 }
 
@@ -305,7 +333,8 @@ static inline int64_t df_line(const uint16_t* kc, const uint16_t* vc, int64_t li
                               int64_t D, int fp8, uint16_t* w, const uint16_t** kb, const uint16_t** vb) {
     if (!fp8) { *kb = kc + line; *vb = vc + line; return 0; }
     const int64_t m = (n - first) * D;
-    for (int64_t b = 0; b < DF_WIDEN_AHEAD && b < m; b += 64) _mm_prefetch((const char*)vc + line + first * D + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < DF_WIDEN_AHEAD && b < m; b += 64)
+        _mm_prefetch((const char*)vc + line + first * D + b, _MM_HINT_T0);
     decode_forward_fp8_widen((const uint8_t*)kc + line + first * D, w, m, fp8);
     decode_forward_fp8_widen((const uint8_t*)vc + line + first * D, w + m, m, fp8);
     *kb = w; *vb = w + m;
@@ -329,6 +358,7 @@ static inline __m512 df_exp(__m512 x) {
 }
 
 DF_ITEM64(1) DF_ITEM64(2) DF_ITEM64(3) DF_ITEM64(4)
+DF_ITEM64_FP8(1) DF_ITEM64_FP8(2) DF_ITEM64_FP8(3) DF_ITEM64_FP8(4)
 
 /* out[c] = bf16(silu(g) * u) for n columns of gate g and up u, where silu(g) is the eager layer's bf16 silu,
    looked up: a bf16 gate has 65536 values, and ``tab`` holds torch's own silu of each (65537 entries, the
@@ -539,13 +569,26 @@ static void df_attend_one(const uint16_t* qr, const uint16_t* kb, const uint16_t
     const uint16_t* kl = kb + (lo - first) * D;
     const uint16_t* vl = vb + (lo - first) * D;
     int64_t n = ps + 1 - lo;
-    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
-    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
-    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
-    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines);
+    if (D == 64 && G == 1) df_item64_1(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, NULL);
+    else if (D == 64 && G == 2) df_item64_2(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, NULL);
+    else if (D == 64 && G == 3) df_item64_3(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, NULL);
+    else if (D == 64 && G == 4) df_item64_4(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, NULL);
     else if (D == 64) (vs == 1.f ? item_bf16_64 : item_bf16v_64)(qr, D, kl, vl, n, G, D, scale, sc, o, vs);
     else if (D == 128) (vs == 1.f ? item_bf16_128 : item_bf16v_128)(qr, D, kl, vl, n, G, D, scale, sc, o, vs);
     else (vs == 1.f ? item_bf16_any : item_bf16v_any)(qr, D, kl, vl, n, G, D, scale, sc, o, vs);
+}
+
+/* df_attend_one straight on an fp8 line (head size 64, up to 4 query heads per KV head: df_item64_fp8), kb / vb
+   the line's key 0. */
+static void df_attend_one_fp8(const uint16_t* qr, const uint8_t* kb, const uint8_t* vb, int64_t ps, int64_t window,
+                              int64_t G, float scale, float vs, float* sc, uint16_t* o, const char* nk,
+                              int64_t nk_lines, const df_fp8_consts* f) {
+    const int64_t lo = df_first_key(ps, window), n = ps + 1 - lo;
+    const uint8_t *kl = kb + lo * 64, *vl = vb + lo * 64;
+    if (G == 1) df_item64_fp8_1(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, f);
+    else if (G == 2) df_item64_fp8_2(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, f);
+    else if (G == 3) df_item64_fp8_3(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, f);
+    else df_item64_fp8_4(qr, kl, vl, n, scale, vs, sc, o, nk, nk_lines, f);
 }
 
 /* fp32 scratch per thread: a block's scores (R rows) then its bf16 weights, with room for 32 rows of them
@@ -669,6 +712,8 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
         gm_run* lr[4];
         float* sc = fs + (int64_t)tid * per_thread;
         uint16_t* widened = (uint16_t*)(sc + attention_scratch);
+        const df_fp8_consts fp8_consts = df_fp8_setup(fp8 ? fp8 : 1);
+        const int direct = fp8 && D == 64 && G <= 4; /* single-token items read an fp8 line themselves */
         int64_t tlo, thi;
         df_share(T, tid, nth, &tlo, &thi);
         for (int64_t l = 0; l < L; l++) {
@@ -723,6 +768,13 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                 for (int64_t it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED); it < K * NKV;
                      it = __atomic_fetch_add(&claims[l].next, 1, __ATOMIC_RELAXED)) {
                     const int64_t k = it / NKV, kv = it % NKV, t = keep[k];
+                    if (direct && !(tok_n[t] > 1 && blocks)) {
+                        const int64_t line = slots[t] * c_ss + kv * c_sh;
+                        df_attend_one_fp8(qkv + t * QKV + kv * G * D, (const uint8_t*)kc + line,
+                                          (const uint8_t*)vc + line, pos[t], windows[l], G, scale * ks, vs, sc,
+                                          attn + k * NH * D + kv * G * D, NULL, 0, &fp8_consts);
+                        continue;
+                    }
                     const uint16_t *kb, *vb;
                     const int64_t first = df_line(kc, vc, slots[t] * c_ss + kv * c_sh, df_first_key(pos[t], windows[l]),
                                                   pos[t] + 1, D, fp8, widened, &kb, &vb);
@@ -754,6 +806,15 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                     nk_lines = (keys < DF_PREFETCH_KEYS ? keys : DF_PREFETCH_KEYS) * D * esize / 64;
                 }
                 int64_t b = it / NKV, kv = it % NKV, t0 = blk_t[b], nb = blk_n[b] < 0 ? -blk_n[b] : blk_n[b];
+                if (direct && !(blk_n[b] > 1 && blocks)) {
+                    const int64_t line = slots[t0] * c_ss + kv * c_sh;
+                    for (int64_t t = t0; t < t0 + nb; t++)
+                        df_attend_one_fp8(qkv + t * QKV + kv * G * D, (const uint8_t*)kc + line,
+                                          (const uint8_t*)vc + line, pos[t], windows[l], G, scale * ks, vs, sc,
+                                          attn + t * NH * D + kv * G * D, t + 1 == t0 + nb ? nk : NULL, nk_lines,
+                                          &fp8_consts);
+                    continue;
+                }
                 const uint16_t *kb, *vb; /* the run's keys: from its first token's window start to its last token */
                 const int64_t first = df_line(kc, vc, slots[t0] * c_ss + kv * c_sh, df_first_key(pos[t0], windows[l]),
                                               pos[t0 + nb - 1] + 1, D, fp8, widened, &kb, &vb);
