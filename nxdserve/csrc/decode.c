@@ -47,7 +47,6 @@ int64_t decode_forward_block_min(void) { return df_block_min_tokens; }
 /* Keys of a thread's next attention item pulled into L2 while it runs this one (16 KB of K at head size 64). */
 #define DF_PREFETCH_KEYS 128
 
-
 typedef struct { int64_t next; uint64_t ends; char pad[48]; } __attribute__((aligned(64))) df_claim;
 
 /* The next attention item from the front of [lo, hi) (the costliest left) or, back, from its end (the
@@ -302,9 +301,9 @@ static inline int64_t df_np(int64_t n) { return (n + 31) & ~(int64_t)31; }
 
 /* fp8 KV cache (kv_fp8: 1 e4m3fn, 2 e5m2; ``--kv-cache-dtype``). A token's K/V are written as codes the way
    ``kv_quant.quantize`` casts them (fp8_code, attention.c), so every path stores the same codes for the same
-   values. An attention item widens its line's
-   keys and values into the thread's scratch as bf16 (exact: a code has at most four significant bits) and runs
-   the bf16 item or block on them, K's scale folded into the softmax scale and V's applied to the output. */
+   values. The head-size-64 single-token items read the codes themselves (df_item64_fp8); blocks and the other
+   items widen their line's keys and values into the thread's scratch first (df_line) and run the bf16 code on
+   them. K's scale is folded into the softmax scale and V's applied to the output. */
 void decode_forward_fp8_store(uint8_t* dst, const uint16_t* src, int64_t n, int32_t kv_fp8, float scale) {
     for (int64_t i = 0; i < n; i++) {
         const float x = bf2f(src[i]);
