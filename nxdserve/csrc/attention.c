@@ -79,7 +79,6 @@ static inline uint8_t fp8_code(float y, int fmt) {
     return sign | (uint8_t)q;
 }
 
-
 /* x / s correctly rounded, as torch divides before its cast: under -ffast-math a plain division may become a
    product with the reciprocal (seen: other codes for 32 of 65536 bf16 values at scale 3.1). Only calculated
    scales (--calculate-kv-scales) divide; 1.0 does not call this. */

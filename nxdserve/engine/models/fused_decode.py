@@ -3,10 +3,11 @@
 ``FusedDecode.accepts`` decides per forward; anything it does not cover (fp32, more than ``MAX_TOKENS``
 tokens, q/k norms, activations other than SiLU, autograd, a step with a LoRA adapter row, draft alternatives on
 an fp8 KV cache or one whose calculated scales are not set yet) takes the layer-by-layer path. An fp8 KV cache
-(``--kv-cache-dtype``) it writes as codes and reads widened to bf16, one (slot, KV head) line at a time
-(docs/kv-cache.md). The C forward has no LoRA shrink/expand: steps whose rows all run the base model keep it,
-and a step with any adapter row runs the torch layers (whose fused elementwise kernels and packed GEMMs still
-apply) plus the grouped LoRA GEMMs of ``nxdserve/lora/stack.py``.
+(``--kv-cache-dtype``) it writes as codes and reads widened to bf16, exactly: in registers in the decode items,
+through a thread's scratch one (slot, KV head) line at a time elsewhere (docs/kv-cache.md). The C forward has no
+LoRA shrink/expand: steps whose rows all run the base model keep it, and a step with any adapter row runs the
+torch layers (whose fused elementwise kernels and packed GEMMs still apply) plus the grouped LoRA GEMMs of
+``nxdserve/lora/stack.py``.
 Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M): see ``benchmarks/perf_notes.md``.
 ``CpuOptions.fused_decode`` turns it off (A/B measurements).
 """
@@ -49,7 +50,7 @@ def silu_table() -> torch.Tensor:
 
 
 _Sources = tuple["torch.Tensor | QuantLinear | None", ...]
-_PACKED = (1, 3, 6, 8)  # the weight matrices among a layer's ``_LayerSources``; norms and biases stay as they are
+_PACKED = (1, 3, 6, 8)  # the weight matrices among a layer's ``_Sources``; norms and biases stay as they are
 
 
 class _LayerTable:
