@@ -1,6 +1,6 @@
 """Decode speed and KV memory per ``--kv-cache-dtype`` (issue 29): the default model through the torch backend,
 a long prompt (default 1500 tokens) as one stream and as N concurrent streams, auto vs fp8 in the same run.
-Prints a table (tok/s, ratio to auto at the same batch, KV cache MiB) and writes JSON.
+Prints a table (tok/s, ratio to auto at the same batch, prefill tok/s, KV cache MiB) and writes JSON.
 
     PYTHONPATH=$PWD python benchmarks/kv_bench.py [--context 1500] [--batches 1 32] [--tokens 32] [--dtype auto]
         [--kv-cache-dtypes auto fp8 fp8:layers] [--cpu-isa avx2]
@@ -65,7 +65,8 @@ def main() -> None:
             if r["batch"] == batch:
                 tok_s = float(r["tok_s"])  # type: ignore[arg-type]
                 print(f"batch {batch:>3}  {r['kv_cache_dtype']:<12} {tok_s:8.1f} tok/s  {tok_s / base:5.2f}x  "
-                      f"step {float(r['step_ms']):7.1f} ms  KV cache {float(r['kv_cache_mib']):7.1f} MiB "  # type: ignore[arg-type]
+                      f"step {float(r['step_ms']):7.1f} ms  prefill {float(r['prefill_tok_s']):7.1f} tok/s  "  # type: ignore[arg-type]
+                      f"KV cache {float(r['kv_cache_mib']):7.1f} MiB "  # type: ignore[arg-type]
                       f"({r['model_dtype']})")
     if args.json:
         with open(args.json, "w") as f:

@@ -299,6 +299,14 @@ def test_fused_forward_writes_torchs_codes_for_every_bf16_value(name: str) -> No
     dtype, fmt = FP8[name], 1 if name == "fp8_e4m3" else 2
     every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     _assert_torchs_codes(lib.decode_forward_fp8_store, every, dtype, fmt)
+    # Runs that end inside a vector: exactly n codes written, the bytes after them untouched.
+    row = (torch.randn(48, generator=torch.Generator().manual_seed(3)) * 40).to(torch.bfloat16)
+    for n in (1, 15, 17, 37):
+        out = torch.full((48,), 0xA5, dtype=torch.uint8)
+        lib.decode_forward_fp8_store(out.data_ptr(), row.data_ptr(), n, fmt, 0.37)
+        want = kv_quant.quantize(row[:n].float(), 0.37, dtype).view(torch.uint8)
+        assert torch.equal(out[:n], want), n
+        assert bool((out[n:] == 0xA5).all()), n
     codes = torch.arange(256, dtype=torch.uint8)
     widened = torch.empty(256, dtype=torch.bfloat16)
     lib.decode_forward_fp8_widen(codes.data_ptr(), widened.data_ptr(), 256, fmt)
