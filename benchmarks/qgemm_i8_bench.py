@@ -21,22 +21,23 @@ set_openmp_wait_policy()  # the server's OpenMP waits (before torch loads OpenMP
 # isort: split
 import torch  # noqa: E402 - after the wait policy
 
-from nxdserve.engine.models import cpu_kernels  # noqa: E402 - after the wait policy
+from nxdserve.engine.models import cpu_kernels, cpu_weight_kernels  # noqa: E402 - after the wait policy
 
 # (name, out_features, in_features, format, count in one model pass) for SmolLM2-135M as served from its GGUF.
 SHAPES = [("qkv", 960, 576, "q4", 30), ("o", 576, 576, "q4", 30), ("gate_up", 3072, 576, "q4", 30),
           ("down", 576, 1536, "q4", 30), ("head", 49152, 576, "q8", 1)]  # fmt: skip
 
 
-def weight(n: int, k: int, fmt: str, gen: torch.Generator) -> cpu_kernels.QgemmWeight:
+def weight(n: int, k: int, fmt: str, gen: torch.Generator) -> cpu_weight_kernels.QgemmWeight:
     scale = torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-3
     if fmt == "q4":
         codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
-        return cpu_kernels.QgemmWeight(codes, scale, torch.randn(n, k // 32, generator=gen) * 0.01, "q4")
-    return cpu_kernels.QgemmWeight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), scale, None, "q8")
+        return cpu_weight_kernels.QgemmWeight(codes, scale, torch.randn(n, k // 32, generator=gen) * 0.01, "q4")
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return cpu_weight_kernels.QgemmWeight(codes, scale, None, "q8")
 
 
-def interleaved(w: cpu_kernels.QgemmWeight, x: torch.Tensor, repeat: int) -> tuple[float, float]:
+def interleaved(w: cpu_weight_kernels.QgemmWeight, x: torch.Tensor, repeat: int) -> tuple[float, float]:
     """Best ms of the fp32 kernel and of the int8-activation kernel, timed alternately."""
     best = [float("inf"), float("inf")]
     for i in range(repeat + 3):

@@ -94,7 +94,7 @@ def resident_bytes(model: object) -> int:
         elif isinstance(obj, dict | list | tuple):
             for value in obj.values() if isinstance(obj, dict) else obj:
                 visit(value)
-        elif hasattr(obj, "tensors"):  # cpu_kernels.QgemmWeight: the layout its struct points into
+        elif hasattr(obj, "tensors"):  # cpu_weight_kernels.QgemmWeight: the layout its struct points into
             visit(obj.tensors)
 
     for module in model.modules():  # type: ignore[attr-defined]

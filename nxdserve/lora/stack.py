@@ -34,7 +34,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from nxdserve.engine.models import cpu_kernels
+from nxdserve.engine.models import cpu_kernels, cpu_weight_kernels
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.errors import LoRAAdapterError
 from nxdserve.lora.adapter import TARGETS, LoraAdapter
@@ -90,8 +90,8 @@ class LoraStack:
             bounds = {linear: torch.tensor(layout[2], dtype=torch.int64) for linear, layout in self.layout.items()}
             self.kernel_args = [
                 {
-                    linear: cpu_kernels.lora_args(self.a[linear][layer], self.b_t[linear][layer], self.ranks,
-                                                  bounds[linear])
+                    linear: cpu_weight_kernels.lora_args(self.a[linear][layer], self.b_t[linear][layer], self.ranks,
+                                                         bounds[linear])
                     for linear in LINEARS
                 }
                 for layer in range(n)
@@ -248,7 +248,7 @@ class LoraStep:
             if args is not None:
                 rows, t = self.kernel[1], x.shape[0]
                 x = x if x.stride(-1) == 1 else x.contiguous()
-                cpu_kernels.lora_add(args, out, x, rows if t == self.num_tokens else rows[:t])
+                cpu_weight_kernels.lora_add(args, out, x, rows if t == self.num_tokens else rows[:t])
             return out
         operands = self.weights[layer].get(linear)
         if operands is None:  # no active adapter targets it

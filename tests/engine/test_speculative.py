@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.core import EngineCore
-from nxdserve.engine.models import cpu_kernels, greedy_head
+from nxdserve.engine.models import cpu_build, greedy_head
 from nxdserve.engine.models.quant import QuantLinear
 from nxdserve.sampling_params import SamplingParams
 from tests.helpers.eagle import eagle_head
@@ -312,7 +312,7 @@ QUANTIZED_TARGETS = {"int4": {"quantization": "int4"}, "bf16": {"dtype": "auto",
 def test_quantized_target_with_a_dense_draft_is_lossless(method: str, target_format: str) -> None:
     """A quantized target verifies a dense draft model's drafts (or its own first layer's, sharing the quantized
     layers): greedy output is exactly the plain quantized target's."""
-    if target_format == "bf16" and "avx2" not in cpu_kernels.runnable_paths():
+    if target_format == "bf16" and "avx2" not in cpu_build.runnable_paths():
         pytest.skip("needs the avx2 kernel build")
     target = copycat_model()
     settings = {"model": target, "max_model_len": MAX_LEN, **QUANTIZED_TARGETS[target_format], **MODES["chunked"]}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nxdserve.engine.models import cpu_kernels
+from nxdserve.engine.models import cpu_build, cpu_kernels, cpu_weight_kernels
 from nxdserve.engine.models.spec import ModelSpec
 from nxdserve.lora.stack import KERNEL_MAX_TOKENS, LINEARS, LoraStack
 from nxdserve.model_files import load_hf_config
@@ -19,10 +19,10 @@ from tests.helpers.cpu_paths import forced_cpu_path
 from tests.helpers.tiny_model import tiny_model_path
 from tests.lora.test_lora_stack import _adapter, _reference
 
-KERNEL_PATHS = [p for p in cpu_kernels.runnable_paths() if p != "none"]
+KERNEL_PATHS = [p for p in cpu_build.runnable_paths() if p != "none"]
 
 
-@pytest.fixture(params=cpu_kernels.runnable_paths())
+@pytest.fixture(params=cpu_build.runnable_paths())
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
     with forced_cpu_path(request.param) as isa:
         yield isa
@@ -82,8 +82,8 @@ def test_kernel_adds_each_rows_adapter(path: str, dtype: torch.dtype, num_rows: 
     base = torch.randn(num_rows, starts[-1], generator=gen).to(dtype)
     out = base.clone()
     ranks_t = torch.tensor(ranks, dtype=torch.int32)
-    args = cpu_kernels.lora_args(a, b_t, ranks_t, torch.tensor(starts), scale)
-    cpu_kernels.lora_add(args, out, x, idx)
+    args = cpu_weight_kernels.lora_args(a, b_t, ranks_t, torch.tensor(starts), scale)
+    cpu_weight_kernels.lora_add(args, out, x, idx)
     expected = base.double() + _expected(x, idx, a, b_t, ranks_t, scale, starts)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
@@ -101,7 +101,7 @@ def test_kernel_without_scale_and_with_many_rows(path: str) -> None:
     x, base = torch.randn(rows, fan_in, generator=gen), torch.randn(rows, starts[-1], generator=gen)
     out = base.clone()
     ranks = torch.tensor([16, 16], dtype=torch.int32)
-    cpu_kernels.lora_add(cpu_kernels.lora_args(a, b_t, ranks, torch.tensor(starts)), out, x, idx)
+    cpu_weight_kernels.lora_add(cpu_weight_kernels.lora_args(a, b_t, ranks, torch.tensor(starts)), out, x, idx)
     expected = base.double() + _expected(x, idx, a, b_t, ranks, torch.ones(2), starts)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -172,8 +172,10 @@ def test_stack_kernel_in_bf16(spec: ModelSpec) -> None:
 @pytest.mark.parametrize("path", KERNEL_PATHS, indirect=True)
 def test_kernel_refuses_activations_of_another_dtype(path: str) -> None:
     a, b_t = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
-    args = cpu_kernels.lora_args(a, b_t, torch.tensor([4], dtype=torch.int32), torch.tensor([0, 8]))
+    args = cpu_weight_kernels.lora_args(a, b_t, torch.tensor([4], dtype=torch.int32), torch.tensor([0, 8]))
     out = torch.zeros(1, 8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"adapters' torch\.float32"):
-        cpu_kernels.lora_add(args, out, torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32))
+        cpu_weight_kernels.lora_add(
+            args, out, torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32)
+        )
     assert not out.any()

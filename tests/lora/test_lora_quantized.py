@@ -12,7 +12,7 @@ import torch
 
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.core import EngineCore
-from nxdserve.engine.models import cpu_kernels
+from nxdserve.engine.models import cpu_build
 from nxdserve.engine.models.quant import QuantLinear
 from nxdserve.lora.request import LoRARequest
 from nxdserve.sampling_params import OutputKind, SamplingParams
@@ -58,7 +58,7 @@ BASES = {
 @pytest.mark.parametrize("base_format", list(BASES))
 def test_adapters_over_quantized_base_weights(tmp_path: Path, exact_kernels: None, base_format: str) -> None:
     overrides, head_kind = BASES[base_format]
-    if "cpu" in overrides and "avx2" not in cpu_kernels.runnable_paths():
+    if "cpu" in overrides and "avx2" not in cpu_build.runnable_paths():
         pytest.skip("needs the avx2 kernel build")
     base = tiny_model_path("llama")
     adapters = {"all": make_peft_adapter(base, tmp_path / "all", seed=1),

@@ -15,12 +15,12 @@ import torch
 
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.core import EngineCore
-from nxdserve.engine.models import cpu_kernels, quant
+from nxdserve.engine.models import cpu_build, quant
 from nxdserve.sampling_params import SamplingParams
 from tests.helpers.engine import make_core, run_to_completion
 from tests.helpers.tiny_model import tiny_model_path
 
-pytestmark = pytest.mark.skipif("avx2" not in cpu_kernels.runnable_paths(), reason="needs the avx2 kernel build")
+pytestmark = pytest.mark.skipif("avx2" not in cpu_build.runnable_paths(), reason="needs the avx2 kernel build")
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3, 8], [4, 4, 6, 1, 9, 12, 30, 2], [17]]
 
 

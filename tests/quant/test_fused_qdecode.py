@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import cpu_kernels, fused_qdecode, quant
+from nxdserve.engine.models import cpu_build, cpu_kernels, cpu_weight_kernels, fused_qdecode, quant
 from nxdserve.engine.models.attention import SlotKVCache
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from tests.helpers.cpu_paths import forced_cpu_path
 from tests.helpers.tiny_model import single_torch_thread, slot_meta, tiny_model_path
 
-KERNEL_PATHS = [p for p in cpu_kernels.runnable_paths() if p != "none"]
+KERNEL_PATHS = [p for p in cpu_build.runnable_paths() if p != "none"]
 MAX_LEN = 48
 PROMPT_LENS = (9, 20, 14, 31)  # slot i's prompt
 
@@ -357,7 +357,7 @@ def test_default_model_greedy_text_is_the_same_with_tokens_from_the_head() -> No
     from tests.helpers.engine import PROMPTS, make_core, run_to_completion, tokenize
 
     outputs, head_calls = [], []
-    real_argmax = cpu_kernels.QgemmWeight.argmax
+    real_argmax = cpu_weight_kernels.QgemmWeight.argmax
     for from_head in (True, False):
         core = make_core(dtype="float32", quantization="gguf", max_model_len=128, max_num_seqs=4)
         backend: Any = core.backend
@@ -365,17 +365,17 @@ def test_default_model_greedy_text_is_the_same_with_tokens_from_the_head() -> No
         backend._greedy_from_head = from_head
         calls: list[int] = []
 
-        def counted(self: cpu_kernels.QgemmWeight, *args: Any, calls: list[int] = calls) -> torch.Tensor:
+        def counted(self: cpu_weight_kernels.QgemmWeight, *args: Any, calls: list[int] = calls) -> torch.Tensor:
             calls.append(1)
             return real_argmax(self, *args)
 
-        cpu_kernels.QgemmWeight.argmax = counted  # type: ignore[method-assign]
+        cpu_weight_kernels.QgemmWeight.argmax = counted  # type: ignore[method-assign]
         try:
             prompts = tokenize(core, PROMPTS[:3])
             params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
             outputs.append([list(o.outputs[0].token_ids) for o in run_to_completion(core, prompts, params)])
         finally:
-            cpu_kernels.QgemmWeight.argmax = real_argmax  # type: ignore[method-assign]
+            cpu_weight_kernels.QgemmWeight.argmax = real_argmax  # type: ignore[method-assign]
         head_calls.append(len(calls))
     assert head_calls[0] >= 9 and head_calls[1] == 0
     assert outputs[0] == outputs[1]

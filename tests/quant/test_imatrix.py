@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdserve.engine.models import cpu_kernels, gptq, imatrix, qtune, quant
+from nxdserve.engine.models import cpu_build, gptq, imatrix, qtune, quant
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.errors import ConfigError
 from tests.helpers.cpu_paths import forced_cpu_path
@@ -24,7 +24,7 @@ def _tiny() -> tuple[LlamaFamilyModel, object]:
 def test_weighted_search_fits_the_weights_large_inputs_multiply(isa: str) -> None:
     """Weighted by per-column importance, the search trades error on unimportant columns for the important ones:
     less weighted error than the plain search, in C and in torch alike."""
-    if isa == "avx2" and "avx2" not in cpu_kernels.runnable_paths():
+    if isa == "avx2" and "avx2" not in cpu_build.runnable_paths():
         pytest.skip("no AVX2")
     torch.manual_seed(0)
     weight = torch.randn(32, 256) * 0.05

@@ -14,7 +14,7 @@ import torch
 
 from nxdserve.config import EngineConfig
 from nxdserve.engine.kv_sizing import KVBudget, fit_slots, kv_bytes_per_slot, kv_element_bytes
-from nxdserve.engine.models import cpu_kernels, kv_quant
+from nxdserve.engine.models import cpu_build, cpu_kernels, kv_quant
 from nxdserve.engine.models.attention import DraftAlternatives
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.runner import SlotModelRunner
@@ -148,7 +148,7 @@ def test_calculated_scales_store_k_over_scale() -> None:
     assert float(calc.kv_cache.data[0, 0].float().abs().max()) == pytest.approx(200, rel=0.07)
 
 
-@pytest.mark.parametrize("path", [p for p in cpu_kernels.runnable_paths() if p != "none"])
+@pytest.mark.parametrize("path", [p for p in cpu_build.runnable_paths() if p != "none"])
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_attention_kernel_on_every_path(path: str, name: str) -> None:
     """The kernel alone, on each ISA build this CPU runs (F16C widening on avx2 and up, scalar on generic):
@@ -263,7 +263,7 @@ def _assert_torchs_codes(store: Any, values: torch.Tensor, dtype: torch.dtype, f
         assert torch.equal(got[nan] & 0x7F, want[nan] & 0x7F)
 
 
-@pytest.mark.parametrize("path", [p for p in cpu_kernels.runnable_paths() if p != "none"])
+@pytest.mark.parametrize("path", [p for p in cpu_build.runnable_paths() if p != "none"])
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_fused_quantized_forward_writes_torchs_codes_on_every_path(path: str, name: str) -> None:
     """The cast the fused quantized forward (csrc/qdecode.c) writes with, on each build this CPU runs: every

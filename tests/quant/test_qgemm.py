@@ -1,5 +1,5 @@
-"""The quantized-weight GEMM for a few rows (csrc/qgemm.c, ``cpu_kernels.qgemm``, ``quant.QuantLinear``): on every
-runnable kernel path it computes the dense fp32 expansion of its codes to fp32 rounding; GGUF blocks through
+"""The quantized-weight GEMM for a few rows (csrc/qgemm.c, ``cpu_weight_kernels.qgemm``, ``quant.QuantLinear``): on
+every runnable kernel path it computes the dense fp32 expansion of its codes to fp32 rounding; GGUF blocks through
 ``gguf_weights`` compute the ``gguf`` package's dequantized blocks; the default model's 4-bit path gives the logits
 of a dense fp32 model holding the same dequantized blocks."""
 
@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import cpu_kernels, cpu_setup, quant
+from nxdserve.engine.models import cpu_build, cpu_kernels, cpu_setup, cpu_weight_kernels, quant
 from nxdserve.engine.models.gguf_weights import decode_4bit, decode_q8_0
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from nxdserve.engine.models.perplexity import next_token_logits
 from nxdserve.errors import ConfigError
 from tests.helpers.cpu_paths import forced_cpu_path
 
-PATHS = cpu_kernels.runnable_paths()
+PATHS = cpu_build.runnable_paths()
 KERNEL_PATHS = [p for p in PATHS if p != "none"]
 ROWS = (1, 2, 3, 5, 8, 9, 12, 17)  # paired from 9 (AVX2) or 12 (3 for bf16); 17 a partial tile and an odd N
 WIDTHS = (64, 576, 1536)
@@ -45,7 +45,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, dense: torch.T
 
 
 def _arm() -> bool:
-    return cpu_kernels.machine() == "aarch64"
+    return cpu_build.machine() == "aarch64"
 
 
 def _q4_codes(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,10 +85,11 @@ def test_kernel_equals_the_dense_fp32_expansion(kernel_path: str, fmt: str, thre
                 x = torch.randn(rows, k, generator=gen)
                 residual = torch.randn(rows, N, generator=gen)
                 ref = F.linear(x, dense)
-                _close(cpu_kernels.qgemm(x, weight, scales, offsets, fmt), ref, x, dense)
-                _close(cpu_kernels.qgemm(x, weight, scales, offsets, fmt, residual), ref + residual, x, dense)
+                _close(cpu_weight_kernels.qgemm(x, weight, scales, offsets, fmt), ref, x, dense)
+                _close(cpu_weight_kernels.qgemm(x, weight, scales, offsets, fmt, residual), ref + residual, x, dense)
                 strided = torch.randn(rows, k + 32, generator=gen)[:, :k]  # rows not packed together
-                _close(cpu_kernels.qgemm(strided, weight, scales, offsets, fmt), F.linear(strided, dense), x, dense)
+                got = cpu_weight_kernels.qgemm(strided, weight, scales, offsets, fmt)
+                _close(got, F.linear(strided, dense), x, dense)
     finally:
         torch.set_num_threads(saved)
         cpu_setup.apply(CpuOptions())
@@ -179,7 +180,7 @@ def test_widened_copy_equals_the_dense_expansion(kernel_path: str, fmt: str) -> 
                 weight = (torch.randn(N, k, generator=gen) * 100).to(torch.float8_e4m3fn)
             scales = torch.rand(N, k // 32, generator=gen) * 0.01
             layout, dense = (weight, scales, None), (weight.float().view(N, -1, 32) * scales[..., None]).view(N, k)
-        wide = cpu_kernels.QgemmWeight(*layout, fmt).to_f32()
+        wide = cpu_weight_kernels.QgemmWeight(*layout, fmt).to_f32()
         torch.testing.assert_close(wide, dense, rtol=2e-7, atol=1e-7)
     finally:
         cpu_setup.apply(CpuOptions())
@@ -296,7 +297,7 @@ def test_a_served_weight_holds_its_codes_once(method: str) -> None:
         elif isinstance(obj, dict | list | tuple):
             for value in obj.values() if isinstance(obj, dict) else obj:
                 visit(value)
-        elif isinstance(obj, cpu_kernels.QgemmWeight):
+        elif isinstance(obj, cpu_weight_kernels.QgemmWeight):
             visit(obj.tensors)
 
     visit(vars(q))
@@ -304,7 +305,7 @@ def test_a_served_weight_holds_its_codes_once(method: str) -> None:
     assert sum(storages.values()) <= q.nbytes + per_block_scales
 
 
-@pytest.mark.skipif(not KERNEL_PATHS or cpu_kernels.compiler() is None, reason="no C kernels on this machine")
+@pytest.mark.skipif(not KERNEL_PATHS or cpu_build.compiler() is None, reason="no C kernels on this machine")
 def test_a_build_with_other_defines_runs_in_place_of_the_paths_own_and_is_put_back() -> None:
     """``benchmarks/kernel_ab.py``'s mechanism: a build of the running variant with a knob changed (the prefetch
     distance: the same arithmetic) serves the calls inside ``running_library`` and gives the same results; the
@@ -364,7 +365,7 @@ def test_argmax_kept_as_rows_are_written_is_argmax_of_the_outputs(
             weight[col] = torch.where(x0 > 0, 400.0, -400.0).to(torch.float8_e4m3fn)
         if scales is not None:
             scales[col] = scales.max() if fmt != "q4" else scales[0]
-    kernel = cpu_kernels.QgemmWeight(weight, scales, offsets, fmt)
+    kernel = cpu_weight_kernels.QgemmWeight(weight, scales, offsets, fmt)
     saved = torch.get_num_threads()
     try:
         with forced_cpu_path(kernel_path):
@@ -383,13 +384,13 @@ def test_argmax_kept_as_rows_are_written_is_argmax_of_the_outputs(
             if fmt in ("q8", "fp8") and scales is not None:  # a NaN scale: that column's output is NaN
                 scales[250, 0] = float("nan")
                 scales[260, 0] = float("nan")
-                nan_kernel = cpu_kernels.QgemmWeight(weight, scales, offsets, fmt)
+                nan_kernel = cpu_weight_kernels.QgemmWeight(weight, scales, offsets, fmt)
                 x = torch.randn(2, k, generator=gen)
                 assert nan_kernel.argmax(x, n, int8_activations).tolist() == [250, 250]
                 assert nan_kernel.argmax(x, 255, int8_activations).tolist() == [250, 250]
                 assert int(nan_kernel.argmax(x, 250, int8_activations)[0]) < 250
             finite = None if scales is None else torch.ones_like(scales)
-            zero = cpu_kernels.QgemmWeight(torch.zeros_like(weight), finite, offsets, fmt)
+            zero = cpu_weight_kernels.QgemmWeight(torch.zeros_like(weight), finite, offsets, fmt)
             x = -torch.ones(1, k)  # every output 0 or -0 (q4's offsets aside): the first column
             if fmt != "q4":
                 assert zero.argmax(x, n, int8_activations).tolist() == [0]

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from nxdserve.cpu_options import CpuOptions
-from nxdserve.engine.models import cpu_kernels, cpu_setup, quant
+from nxdserve.engine.models import cpu_build, cpu_setup, quant
 from tests.helpers.cpu_paths import forced_cpu_path
 from tests.unit import test_cross_arch as cross
 
-KERNEL_PATHS = [p for p in cpu_kernels.runnable_paths() if p != "none"]
+KERNEL_PATHS = [p for p in cpu_build.runnable_paths() if p != "none"]
 ROWS = (1, 2, 3, 7, 8, 9, 15, 16, 17)
 N = 77  # not a multiple of 8, 16 or 32
 CHECK = Path(__file__).resolve().parent / "qgemm_i8_check.c"
@@ -155,7 +155,7 @@ def test_option_and_flag() -> None:
 
 
 def _run_check_program(cc: list[str], flags: list[str], out: Path, runner: list[str]) -> None:
-    cmd = [*cc, *cpu_kernels.COMPILE_FLAGS, *flags, "-I", str(cpu_kernels.CSRC), str(CHECK), "-o", str(out), "-lm"]
+    cmd = [*cc, *cpu_build.COMPILE_FLAGS, *flags, "-I", str(cpu_build.CSRC), str(CHECK), "-o", str(out), "-lm"]
     import subprocess
 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -167,16 +167,16 @@ def _run_check_program(cc: list[str], flags: list[str], out: Path, runner: list[
 @pytest.mark.slow  # ~10 s a variant; the library tests above run the same paths in the default suite
 @pytest.mark.parametrize("variant", cross.HOST_VARIANTS)
 def test_check_program_on_every_host_variant(variant: str, tmp_path: Path) -> None:
-    cc = cpu_kernels.compiler()
+    cc = cpu_build.compiler()
     assert cc is not None
-    _run_check_program(cc, cpu_kernels.target_flags(variant), tmp_path / f"check-{variant}", [])
+    _run_check_program(cc, cpu_build.target_flags(variant), tmp_path / f"check-{variant}", [])
 
 
 @cross.needs_cross
-@pytest.mark.parametrize("variant", cross._slow_but_first(list(cpu_kernels.VARIANTS["aarch64"])[::-1]))
+@pytest.mark.parametrize("variant", cross._slow_but_first(list(cpu_build.VARIANTS["aarch64"])[::-1]))
 def test_check_program_on_aarch64_under_qemu(variant: str, tmp_path: Path) -> None:
     """neon (armv8.2-a+dotprod: ``vdotq_s32``) in the default suite; generic (armv8-a: widening multiplies) slow."""
-    flags = cpu_kernels.target_flags(variant, "aarch64")
+    flags = cpu_build.target_flags(variant, "aarch64")
     _run_check_program([cross.CROSS_CC], flags, tmp_path / f"check-{variant}", [cross.QEMU, "-L", str(cross.SYSROOT)])
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nxdserve.engine.models import cpu_kernels, quant
+from nxdserve.engine.models import cpu_build, cpu_weight_kernels, quant
 from tests.helpers.cpu_paths import forced_cpu_path
 
-PATHS = [p for p in ("generic", "avx2") if p in cpu_kernels.runnable_paths()]
-pytestmark = pytest.mark.skipif(not PATHS or cpu_kernels.compiler() is None, reason="no C kernels on this machine")
+PATHS = [p for p in ("generic", "avx2") if p in cpu_build.runnable_paths()]
+pytestmark = pytest.mark.skipif(not PATHS or cpu_build.compiler() is None, reason="no C kernels on this machine")
 
 
 def _weight(rows: int = 48, cols: int = 320) -> torch.Tensor:
@@ -79,9 +79,9 @@ def test_fp8_search_in_c_matches_torch(isa: str, cols: int) -> None:
 def test_search_rejects_what_it_cannot_take(isa: str) -> None:
     with forced_cpu_path(isa):
         with pytest.raises(ValueError, match="multiple of group"):
-            cpu_kernels.quant_search(torch.zeros(4, 100), 32, [15.0], "int4")
+            cpu_weight_kernels.quant_search(torch.zeros(4, 100), 32, [15.0], "int4")
         with pytest.raises(ValueError, match="int4 groups <= 128"):
-            cpu_kernels.quant_search(torch.zeros(4, 256), 256, [15.0], "int4")
+            cpu_weight_kernels.quant_search(torch.zeros(4, 256), 256, [15.0], "int4")
 
 
 def _calibration(cols: int, tokens: int, seed: int) -> torch.Tensor:

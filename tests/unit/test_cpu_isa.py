@@ -20,16 +20,16 @@ import torch.nn.functional as F
 from nxdserve.config import EngineConfig
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.backends.torch_backend import TorchBackend
-from nxdserve.engine.models import SlotModelRunner, cpu_kernels, cpu_setup
+from nxdserve.engine.models import SlotModelRunner, cpu_build, cpu_kernels, cpu_setup
 from nxdserve.errors import ConfigError
 from tests.helpers.cpu_paths import forced_cpu_path
 from tests.helpers.tiny_model import single_torch_thread, tiny_model_path
 from tests.unit.test_torch_backend import run_greedy
 from tests.unit.test_torch_model import ATOL_TINY, chunk_steps, random_ids, reference_logits, run_schedule
 
-PATHS = cpu_kernels.runnable_paths()
-VARIANTS = list(cpu_kernels.VARIANTS.get(cpu_kernels.machine(), {}))
-needs_compiler = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C compiler")
+PATHS = cpu_build.runnable_paths()
+VARIANTS = list(cpu_build.VARIANTS.get(cpu_build.machine(), {}))
+needs_compiler = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -45,9 +45,9 @@ def path(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def _target_flags_supported(variant: str) -> bool:
-    cc = cpu_kernels.compiler()
+    cc = cpu_build.compiler()
     assert cc is not None
-    flags = cpu_kernels.VARIANTS[cpu_kernels.machine()][variant]
+    flags = cpu_build.VARIANTS[cpu_build.machine()][variant]
     probe = subprocess.run([*cc, *flags, "-x", "c", "-c", "-o", "/dev/null", "-"], input="int x;\n", text=True,
                            capture_output=True)  # fmt: skip
     return probe.returncode == 0
@@ -58,8 +58,8 @@ def _target_flags_supported(variant: str) -> bool:
 def test_every_variant_compiles_with_werror(variant: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     if not _target_flags_supported(variant):
         pytest.skip(f"this compiler lacks {variant}'s target flags")
-    assert "-Werror" in cpu_kernels.COMPILE_FLAGS
-    built = cpu_kernels.build_variant(variant)  # the cache: the same file a machine of that class loads
+    assert "-Werror" in cpu_build.COMPILE_FLAGS
+    built = cpu_build.build_variant(variant)  # the cache: the same file a machine of that class loads
     assert built.is_file() and variant in built.name
 
 
@@ -67,11 +67,11 @@ def test_paths_are_ordered_best_first() -> None:
     avx2 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}
     avx512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
     sapphire = frozenset(avx2 | avx512 | {"amx_tile", "amx_bf16"})
-    assert cpu_kernels.runnable_paths(sapphire, "x86_64") == ["amx", "avx512bf16", "avx2", "generic", "none"]
+    assert cpu_build.runnable_paths(sapphire, "x86_64") == ["amx", "avx512bf16", "avx2", "generic", "none"]
     zen4 = sapphire - {"amx_tile", "amx_bf16"}
-    assert cpu_kernels.runnable_paths(zen4, "x86_64") == ["avx512bf16", "avx2", "generic", "none"]
-    assert cpu_kernels.runnable_paths(frozenset({"avx2", "fma"}), "x86_64") == ["generic", "none"]
-    assert cpu_kernels.runnable_paths(frozenset({"asimd", "asimdhp", "asimddp"}), "aarch64") == [
+    assert cpu_build.runnable_paths(zen4, "x86_64") == ["avx512bf16", "avx2", "generic", "none"]
+    assert cpu_build.runnable_paths(frozenset({"avx2", "fma"}), "x86_64") == ["generic", "none"]
+    assert cpu_build.runnable_paths(frozenset({"asimd", "asimdhp", "asimddp"}), "aarch64") == [
         "neon", "generic", "none"
     ]  # fmt: skip
 
@@ -226,16 +226,16 @@ def test_code_outside_the_isa_ifs_is_portable_c() -> None:
     """What a baseline x86-64 build compiles of csrc (the code every variant, neon included, shares) holds no x86
     intrinsics: they all sit inside the #if blocks of the AVX512/AMX parts. (No aarch64 cross compiler is needed
     to know the neon build sees only portable C and GCC builtins.)"""
-    cc = cpu_kernels.compiler()
+    cc = cpu_build.compiler()
     assert cc is not None
-    flags = ["-E", "-fopenmp", "-std=c11", *cpu_kernels.VARIANTS["x86_64"]["generic"][:1]]
-    text = subprocess.run([*cc, *flags, "-I", str(cpu_kernels.CSRC), str(cpu_kernels.CSRC / cpu_kernels.SOURCE)],
+    flags = ["-E", "-fopenmp", "-std=c11", *cpu_build.VARIANTS["x86_64"]["generic"][:1]]
+    text = subprocess.run([*cc, *flags, "-I", str(cpu_build.CSRC), str(cpu_build.CSRC / cpu_build.SOURCE)],
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     ours, current = [], ""
     for line in text.splitlines():
         if line.startswith("# "):  # a line marker: # N "file" flags
             current = line.split('"')[1] if '"' in line else current
-        elif str(cpu_kernels.CSRC) in current:
+        elif str(cpu_build.CSRC) in current:
             ours.append(line)
     assert len(ours) > 500  # the kernels' own code was found
     x86_only = re.compile(r"\b(_mm\w*|__m(128|256|512)\w*|__builtin_ia32\w*|__cpuid\w*|_tile_\w+)\b")

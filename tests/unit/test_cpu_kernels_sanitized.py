@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nxdserve.engine.models import cpu_kernels
+from nxdserve.engine.models import cpu_build
 
 ROOT = Path(__file__).resolve().parents[2]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
@@ -42,7 +42,7 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[2:]]))
 
 @pytest.mark.slow
 def test_kernel_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
-    cc = cpu_kernels.compiler()
+    cc = cpu_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
     libasan = subprocess.run([*cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()

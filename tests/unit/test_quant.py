@@ -191,16 +191,16 @@ def test_engine_serves_a_quantized_model_through_the_torch_backend() -> None:
 def test_every_runnable_cpu_path_gives_the_same_quantized_logits(method: str, exact_kernels: None) -> None:
     """--cpu-isa forced to each path this CPU runs (avx2 / generic / none here; avx512bf16 / amx where present):
     the quantized model's logits equal the kernel-free path's (``none``), prefill and decode. The C paths compute
-    the codes in fp32 (``cpu_kernels.qgemm``), so ``none``'s PyTorch kernels get fp32 activations too."""
+    the codes in fp32 (``cpu_weight_kernels.qgemm``), so ``none``'s PyTorch kernels get fp32 activations too."""
     from nxdserve.cpu_options import CpuOptions
-    from nxdserve.engine.models import cpu_kernels, cpu_setup
+    from nxdserve.engine.models import cpu_build, cpu_setup
 
     model = LlamaFamilyModel.from_pretrained(tiny_model_path("llama"), torch.float32, torch.device("cpu"), 64)
     quant.quantize_model(model, method)
     ids = [1, 450, 3001, 97, 12, 5000, 23, 8]
     results = {}
     try:
-        for path in cpu_kernels.runnable_paths():
+        for path in cpu_build.runnable_paths():
             assert cpu_setup.apply(CpuOptions(isa=path)) == path
             results[path] = next_token_logits(model, ids)
     finally:

@@ -93,9 +93,9 @@ def test_forcing_the_avx2_kernels_serves_what_an_avx2_machine_would() -> None:
     """``--cpu-isa avx2`` on any x86 CPU that runs it: the default model in fp32 from its 4-bit blocks, with the
     KV cache sized for fp32, as on a CPU without native bf16."""
     from nxdserve.cpu_options import CpuOptions
-    from nxdserve.engine.models import cpu_kernels
+    from nxdserve.engine.models import cpu_build
 
-    if "avx2" not in cpu_kernels.runnable_paths():
+    if "avx2" not in cpu_build.runnable_paths():
         pytest.skip("this CPU cannot run the AVX2 kernels")
     try:
         core = make_core(dtype="auto", max_model_len=64, max_num_seqs=2, cpu=CpuOptions(isa="avx2"))
@@ -120,11 +120,11 @@ def test_a_gguf_whose_linears_are_not_served_quantized_falls_back_to_dense(
     the AVX2 kernels forced, on any x86 CPU, the dense weights take the form a CPU without native bf16 gives."""
     from nxdserve.cpu_options import CpuOptions
     from nxdserve.engine.backends import torch_backend, weight_format
-    from nxdserve.engine.models import cpu_kernels, cpu_setup, gguf_weights
+    from nxdserve.engine.models import cpu_build, cpu_setup, gguf_weights
     from nxdserve.errors import ConfigError
     from tests.helpers.tiny_model import tiny_model_path
 
-    if isa == "avx2" and "avx2" not in cpu_kernels.runnable_paths():
+    if isa == "avx2" and "avx2" not in cpu_build.runnable_paths():
         pytest.skip("this CPU cannot run the AVX2 kernels")
 
     def unserved(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantLinear]:

@@ -68,7 +68,7 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group: int) -> QuantL
         w = F.pad(w, (0, padded - k))
         upper = torch.block_diag(upper, torch.eye(padded - k))
     if quant._kernels_on():
-        from nxdserve.engine.models.cpu_kernels import gptq_int4 as gptq_in_c
+        from nxdserve.engine.models.cpu_weight_kernels import gptq_int4 as gptq_in_c
 
         codes, scales, offsets = gptq_in_c(w, upper, group, [15 + d for d in quant.INT4_STEP_DELTAS])
         return quant.int4_from_codes(codes.to(torch.int32), scales, offsets, group, k)

@@ -1,7 +1,7 @@
 """Weight-only quantized linears: int8 per output channel, 4-bit group-wise, fp8 e4m3 per 32 columns (or row).
 
 A ``QuantLinear`` stands where a layer's dense weight stood (``linear.linear`` calls it). It keeps the codes
-as our C kernel reads them (``csrc/qgemm.c``, ``cpu_kernels.QgemmWeight``): 4-bit codes two a byte in GGUF's
+as our C kernel reads them (``csrc/qgemm.c``, ``cpu_weight_kernels.QgemmWeight``): 4-bit codes two a byte in GGUF's
 nibble order with an fp32 scale and offset per 32 input columns (``w = q * scale + offset``: our min/max codes,
 and exactly GGUF's Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m`` and Q4_K sub-blocks, ``gguf_weights.py``), int8
 codes with a scale per row or per group (GGUF's Q8_0), fp8 e4m3 codes with a scale per row or per 32 columns.
@@ -64,11 +64,11 @@ KERNEL_ROWS = 32
 class QuantLinear:
     """A quantized (out_features, in_features) weight and the call that multiplies by it.
 
-    Per call the rows decide (``dense_rows``): up to that many rows go to the C kernel (``cpu_kernels.QgemmWeight``,
-    fp32 activations, reading the codes as stored); more rows to a dense copy expanded once from the codes in the
-    activations' dtype (a batched step is bound by FLOPs, where a dense GEMM wins). Without the C kernels
-    (``--cpu-isa none``, no compiler) PyTorch's weight-only ops take the small calls instead, and the same rule
-    sends the larger ones to the dense copy."""
+    Per call the rows decide (``dense_rows``): up to that many rows go to the C kernel
+    (``cpu_weight_kernels.QgemmWeight``, fp32 activations, reading the codes as stored); more rows to a dense copy
+    expanded once from the codes in the activations' dtype (a batched step is bound by FLOPs, where a dense GEMM
+    wins). Without the C kernels (``--cpu-isa none``, no compiler) PyTorch's weight-only ops take the small calls
+    instead, and the same rule sends the larger ones to the dense copy."""
 
     # "int8" | "int4" | "fp8" | "q8_0" (int8 with a scale per group of ``group``: gguf_weights.py) | "bf16" (the
     # weight itself in bfloat16, computed in fp32: ``store_bf16``)
@@ -144,12 +144,12 @@ class QuantLinear:
         return out if residual is None else out + residual
 
     def _kernel_args(self) -> Any:
-        """The ``cpu_kernels.QgemmWeight`` of these codes, made once; None where no kernel format fits (q8_0
+        """The ``cpu_weight_kernels.QgemmWeight`` of these codes, made once; None where no kernel format fits (q8_0
         groups that are not multiples of 32)."""
         return self._cached("kernel", self._make_kernel_args)
 
     def _make_kernel_args(self) -> Any:
-        from nxdserve.engine.models.cpu_kernels import QgemmWeight
+        from nxdserve.engine.models.cpu_weight_kernels import QgemmWeight
 
         args = self._kernel_layout()
         return None if args is None else QgemmWeight(*args)
@@ -347,7 +347,7 @@ def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK, search: bool = Tr
     group = block if block and k % block == 0 else k
     blocks = w.view(n, k // group, group)
     if search and _kernels_on():
-        from nxdserve.engine.models.cpu_kernels import quant_search
+        from nxdserve.engine.models.cpu_weight_kernels import quant_search
 
         best_scale = quant_search(w, group, FP8_SCALE_MULTIPLIERS, "fp8")[0].unsqueeze(2)
     else:
@@ -409,7 +409,7 @@ def int4_group_scales(
     (groups * size,) > 0 weights the search's squared errors per column."""
     n, groups, size = g.shape
     if search and _kernels_on() and size <= max(INT4_GROUPS):
-        from nxdserve.engine.models.cpu_kernels import quant_search
+        from nxdserve.engine.models.cpu_weight_kernels import quant_search
 
         candidates = [15 + d for d in deltas]
         scale, offset = quant_search(g.reshape(n, groups * size), size, candidates, "int4", importance)
