@@ -1,4 +1,4 @@
-/* nxdserve's CPU kernels, built as ONE translation unit from the parts included below (cpu_kernels.py compiles
+/* nxdserve's CPU kernels, built as ONE translation unit from the parts included below (cpu_build.py compiles
    this file alone, once per ISA variant). One unit, not one object per part, because the parts share static
    helpers that must inline into each other's hot loops as they did when this was a single source: the fused
    forward (decode.c) and the greedy head (greedy_head.c) run the GEMM's register tiles (gemm.c), and every part
