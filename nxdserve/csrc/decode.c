@@ -865,12 +865,39 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
             }
             df_prefetch_first_panel(o_w, o_c, NH * D, H, tid, nth);
             _Pragma("omp barrier")
-            /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back (a bf16 cache:
-               fused_decode.accepts keeps an fp8 cache's steps with alternatives on the layer path). */
+            /* 3b. Alternatives, by (group, KV head): borrow the position, attend, put its K/V back. On an fp8
+               cache the alternative's K/V go in as codes, as if it were cached (the layer path's
+               alternatives_attention does the same), while alt_kv keeps their bf16 values for install. */
             if (ngrp) {
                 _Pragma("omp for schedule(static)")
                 for (int64_t it = 0; it < ngrp * NKV; it++) {
                     int64_t g = it / NKV, kv = it % NKV, t0 = TM + grp_a[g], ps = pos[t0];
+                    if (fp8) {
+                        const int64_t line = slots[t0] * c_ss + kv * c_sh;
+                        uint8_t *kb8 = (uint8_t*)kc + line, *vb8 = (uint8_t*)vc + line;
+                        uint8_t ksave[256], vsave[256];
+                        memcpy(ksave, kb8 + ps * D, (size_t)D);
+                        memcpy(vsave, vb8 + ps * D, (size_t)D);
+                        for (int64_t t = t0; t < t0 + grp_n[g]; t++) {
+                            const uint16_t* own = alt_kv + (l * A + t - TM) * 2 * NKV * D + kv * D;
+                            decode_forward_fp8_store(kb8 + ps * D, own, D, fp8, ks);
+                            decode_forward_fp8_store(vb8 + ps * D, own + NKV * D, D, fp8, vs);
+                            const uint16_t* qr = qkv + t * QKV + kv * G * D;
+                            uint16_t* o = attn + t * NH * D + kv * G * D;
+                            if (direct) {
+                                df_attend_one_fp8(qr, kb8, vb8, ps, windows[l], G, scale * ks, vs, sc, o, NULL, 0,
+                                                  &fp8_consts);
+                            } else {
+                                const uint16_t *kb, *vb;
+                                const int64_t first = df_line(kc, vc, line, df_first_key(ps, windows[l]), ps + 1, D,
+                                                              fp8, widened, &kb, &vb);
+                                df_attend_one(qr, kb, vb, first, ps, windows[l], G, D, scale * ks, vs, sc, o, NULL, 0);
+                            }
+                        }
+                        memcpy(kb8 + ps * D, ksave, (size_t)D);
+                        memcpy(vb8 + ps * D, vsave, (size_t)D);
+                        continue;
+                    }
                     uint16_t* kb = kc + slots[t0] * c_ss + kv * c_sh;
                     uint16_t* vb = vc + slots[t0] * c_ss + kv * c_sh;
                     uint16_t ksave[256], vsave[256];

@@ -88,6 +88,15 @@ TINY_FAMILIES: dict[str, Callable[[], Any]] = {
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     ),
     "mistral-window": lambda: _mistral(sliding_window=6, head_dim=16),
+    # SmolLM2's attention shape (head size 64, three query heads per KV head): the C kernels' vectorised items.
+    "llama-d64-g3": lambda: _llama(
+        hidden_size=192,
+        intermediate_size=256,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
     "qwen2": lambda: _qwen2(use_sliding_window=True, sliding_window=5, max_window_layers=1),
     "qwen3": lambda: _qwen3(
         head_dim=32,

@@ -129,8 +129,8 @@ class FusedDecode:
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
             # An fp8 cache: the C forward writes and reads its codes once every layer's scales are set (the layer
-            # path's first forward sets calculated ones); draft alternatives on it take the layer path.
-            and (not kv_cache.quantized or (meta.alts is None and kv_cache.scales_set))
+            # path's first forward sets calculated ones).
+            and (not kv_cache.quantized or kv_cache.scales_set)
             and meta.use_kernel
             # The C forward has no LoRA: a step with an adapter row takes the layer-by-layer path.
             and meta.lora is None
