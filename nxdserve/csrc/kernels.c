@@ -100,7 +100,8 @@ static const nxd_field_layout nxd_layouts[] = {
     NXD_FIELD(nxd_qdecode_args, slots), NXD_FIELD(nxd_qdecode_args, pos), NXD_FIELD(nxd_qdecode_args, H),
     NXD_FIELD(nxd_qdecode_args, NH), NXD_FIELD(nxd_qdecode_args, NKV), NXD_FIELD(nxd_qdecode_args, D),
     NXD_FIELD(nxd_qdecode_args, I), NXD_FIELD(nxd_qdecode_args, c_ss), NXD_FIELD(nxd_qdecode_args, c_sh),
-    NXD_FIELD(nxd_qdecode_args, kv_scales), NXD_FIELD(nxd_qdecode_args, eps), NXD_FIELD(nxd_qdecode_args, nthreads),
+    NXD_FIELD(nxd_qdecode_args, kv_scales), NXD_FIELD(nxd_qdecode_args, alt_kv), NXD_FIELD(nxd_qdecode_args, A),
+    NXD_FIELD(nxd_qdecode_args, eps), NXD_FIELD(nxd_qdecode_args, nthreads),
     NXD_FIELD(nxd_qdecode_args, int8_activations), NXD_FIELD(nxd_qdecode_args, kv_fp8),
 
     NXD_SIZE(nxd_lora_args),

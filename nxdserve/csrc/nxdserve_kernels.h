@@ -193,8 +193,10 @@ void q_widen_f32(const nxd_qgemm_args* a, float* dst);
    layer (fp32, line of slot s, KV head h, position p at cache + s*c_ss + h*c_sh + p*D). Offsets (q4 only) and
    biases NULL when absent. formats: 4 per layer (qkv, o, gate_up, down), qgemm's format numbers; every K a multiple
    of 32. cos/sin (T, D): each row's rotary table row. windows (L) or NULL: sliding windows (0: none). Row t writes
-   its K/V at (slots[t], pos[t]) and attends to its slot's keys up to pos[t]. int8_activations: the 4-bit and int8
-   linears take their inputs rounded to int8 per 32 columns and integer dot products (qgemm_i8.c). */
+   its K/V at (slots[t], pos[t]) and attends to its slot's keys up to pos[t]. The last A rows are draft
+   alternatives (fused_decode's DraftAlternatives): each sees its slot's keys before pos[t] and its own K/V, which
+   go to alt_kv (L, A, 2, NKV, D) fp32 instead of the cache. int8_activations: the 4-bit and int8 linears take
+   their inputs rounded to int8 per 32 columns and integer dot products (qgemm_i8.c). */
 #define QDECODE_LAYER_POINTERS 20
 typedef struct nxd_qdecode_args {
     float* x;
@@ -210,6 +212,8 @@ typedef struct nxd_qdecode_args {
     const int64_t* pos;
     int64_t H, NH, NKV, D, I, c_ss, c_sh;
     const float* kv_scales; /* (L, 2) K and V scales of an fp8 cache */
+    float* alt_kv;
+    int64_t A;
     float eps;
     int32_t nthreads;
     int32_t int8_activations;

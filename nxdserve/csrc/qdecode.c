@@ -10,7 +10,8 @@
      1. RMSNorm of x (each thread its own copy: T x H is tiny, so no barrier), then q/k/v = h @ Wqkv^T;
      2. RoPE on the q and k heads in place; K/V of every row written into its slot's cache line;
      3. attention of each (row, KV head) over its slot's keys lo..pos (attention.c's fp32 item: GQA's query
-        heads share each key and value read);
+        heads share each key and value read); then the draft alternatives (EAGLE's tree verification), each
+        borrowing its row's draft position for its own K/V;
      4. x += attn @ Wo^T (each output column owned by one thread);
      5. RMSNorm again (per thread), gate and up rows n and I + n by the same thread, act = silu(gate) * up;
      6. x += act @ Wdown^T.
@@ -157,14 +158,60 @@ static inline void qd_rope_head(float* x, const float* cos, const float* sin, in
     }
 }
 
+/* Row r (D values) into a cache at element offset off: fp32, or the codes kv_quant.quantize casts (fp8_code,
+   attention.c; an fp8 cache's offsets count bytes). */
+static inline void qd_store(float* cache, int64_t off, const float* r, int64_t D, int fp8, float s) {
+    if (!fp8) {
+        memcpy(cache + off, r, sizeof(float) * (size_t)D);
+        return;
+    }
+    uint8_t* c8 = (uint8_t*)cache + off;
+    for (int64_t d = 0; d < D; d++) c8[d] = fp8_code(s == 1.f ? r[d] : fp8_quotient(r[d], s), fp8);
+}
+
+/* One (row, KV head) item: q's G heads over the n keys from element offset `line` (key lo's row) into o, with
+   attention.c's fp32 items or, on fp8 codes, slot_attention_fp8_f32's (e4m3 rows read as value / 256, the 256
+   in the scales). */
+static inline void qd_attend(const float* q, const float* kc, const float* vc, int64_t line, int64_t n, int64_t G,
+                             int64_t D, float scale, int fp8, float ks, float vs, float* sc, float* o) {
+    if (fp8) {
+        const uint8_t *kb = (const uint8_t*)kc + line, *vb = (const uint8_t*)vc + line;
+        const float u = fp8 == 2 ? 1.f : 256.f, s8 = scale * ks * u, v8 = vs * u;
+        if (fp8 == 2) {
+            if (D == 64) item_e5m2_f32_64(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+            else if (D == 128) item_e5m2_f32_128(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+            else item_e5m2_f32_any(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+        } else {
+            if (D == 64) item_e4m3_f32_64(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+            else if (D == 128) item_e4m3_f32_128(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+            else item_e4m3_f32_any(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+        }
+        return;
+    }
+    const float *kb = kc + line, *vb = vc + line;
+    if (D == 64) item_f32_64(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
+    else if (D == 128) item_f32_128(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
+    else item_f32_any(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
+}
+
 void qdecode_forward_f32(const nxd_qdecode_args* a) {
     const int64_t T = a->T, H = a->H, NH = a->NH, NKV = a->NKV, D = a->D, I = a->I;
     const int64_t G = NH / NKV, QS = NH * D, KVS = NKV * D, NQKV = QS + 2 * KVS;
     const int64_t kmax = H > QS ? (H > I ? H : I) : (QS > I ? QS : I);
     const float scale = 1.f / sqrtf((float)D);
-    if (T <= 0) return;
+    const int64_t A = a->A, TM = T - A; /* the rows' tokens, then the alternatives */
+    if (T <= 0 || A < 0 || A > T) return;
     int64_t maxctx = 1;
     for (int64_t t = 0; t < T; t++) maxctx = a->pos[t] + 1 > maxctx ? a->pos[t] + 1 : maxctx;
+    /* Alternatives by (slot, position): a row's alternatives share the position they borrow, one after another. */
+    int64_t ngrp = 0, *grp_a = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * A + 1)), *grp_n = grp_a + A;
+    for (int64_t i = 0; i < A;) {
+        int64_t e = i + 1;
+        while (e < A && a->slots[TM + e] == a->slots[TM + i] && a->pos[TM + e] == a->pos[TM + i]) e++;
+        grp_a[ngrp] = i;
+        grp_n[ngrp++] = e - i;
+        i = e;
+    }
     float* x = a->x;
     float* qkv = (float*)malloc(sizeof(float) * (size_t)(T * NQKV));
     float* attn = (float*)malloc(sizeof(float) * (size_t)(T * QS));
@@ -209,46 +256,51 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
                 if (head >= NH) {
                     const int64_t j = head - NH, off = a->slots[t] * a->c_ss + j * a->c_sh + a->pos[t] * D;
                     const float *k = row + QS + j * D, *v = row + QS + KVS + j * D;
-                    if (fp8) { /* the codes kv_quant.quantize casts (fp8_code, attention.c) */
-                        uint8_t *k8 = (uint8_t*)kc + off, *v8 = (uint8_t*)vc + off;
-                        for (int64_t d = 0; d < D; d++) {
-                            k8[d] = fp8_code(ks == 1.f ? k[d] : fp8_quotient(k[d], ks), fp8);
-                            v8[d] = fp8_code(vs == 1.f ? v[d] : fp8_quotient(v[d], vs), fp8);
-                        }
+                    if (t >= TM) { /* an alternative's K/V go to the caller (installed if it is accepted) */
+                        float* own = a->alt_kv + ((l * A + t - TM) * 2 * NKV + j) * D;
+                        memcpy(own, k, sizeof(float) * (size_t)D);
+                        memcpy(own + KVS, v, sizeof(float) * (size_t)D);
                     } else {
-                        memcpy(kc + off, k, sizeof(float) * (size_t)D);
-                        memcpy(vc + off, v, sizeof(float) * (size_t)D);
+                        qd_store(kc, off, k, D, fp8, ks);
+                        qd_store(vc, off, v, D, fp8, vs);
                     }
                 }
             }
 
             /* 3. attention of each (row, KV head) over its slot's context */
             _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t it = 0; it < T * NKV; it++) {
+            for (int64_t it = 0; it < TM * NKV; it++) {
                 const int64_t t = it / NKV, j = it % NKV, pos = a->pos[t];
                 const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-                const float* q = qkv + t * NQKV + j * G * D;
-                const int64_t line = a->slots[t] * a->c_ss + j * a->c_sh + lo * D, n = pos + 1 - lo;
-                float* o = attn + t * QS + j * G * D;
-                if (fp8) { /* slot_attention_fp8_f32's items: e4m3 rows read as value / 256, the 256 in the scales */
-                    const uint8_t *kb = (const uint8_t*)kc + line, *vb = (const uint8_t*)vc + line;
-                    const float u = fp8 == 2 ? 1.f : 256.f, s8 = scale * ks * u, v8 = vs * u;
-                    if (fp8 == 2) {
-                        if (D == 64) item_e5m2_f32_64(q, D, kb, vb, n, G, D, s8, sc, o, v8);
-                        else if (D == 128) item_e5m2_f32_128(q, D, kb, vb, n, G, D, s8, sc, o, v8);
-                        else item_e5m2_f32_any(q, D, kb, vb, n, G, D, s8, sc, o, v8);
-                    } else {
-                        if (D == 64) item_e4m3_f32_64(q, D, kb, vb, n, G, D, s8, sc, o, v8);
-                        else if (D == 128) item_e4m3_f32_128(q, D, kb, vb, n, G, D, s8, sc, o, v8);
-                        else item_e4m3_f32_any(q, D, kb, vb, n, G, D, s8, sc, o, v8);
+                qd_attend(qkv + t * NQKV + j * G * D, kc, vc, a->slots[t] * a->c_ss + j * a->c_sh + lo * D,
+                          pos + 1 - lo, G, D, scale, fp8, ks, vs, sc, attn + t * QS + j * G * D);
+            }
+
+            /* 3b. Alternatives by (group, KV head), once the rows have attended: each borrows its row's draft
+               position for its own K/V (as codes on an fp8 cache, as if cached: the layer path's
+               alternatives_attention does the same), attends, and the draft's K/V are put back. */
+            if (ngrp) {
+                _Pragma("omp for schedule(dynamic, 1)")
+                for (int64_t it = 0; it < ngrp * NKV; it++) {
+                    const int64_t g = it / NKV, j = it % NKV, t0 = TM + grp_a[g], ps = a->pos[t0];
+                    const int64_t lo = (window > 0 && ps - window + 1 > 0) ? ps - window + 1 : 0;
+                    const int64_t base = a->slots[t0] * a->c_ss + j * a->c_sh, at = base + ps * D;
+                    const size_t bytes = (size_t)D * (fp8 ? 1 : sizeof(float));
+                    char* kat = (char*)kc + at * (fp8 ? 1 : (int64_t)sizeof(float));
+                    char* vat = (char*)vc + at * (fp8 ? 1 : (int64_t)sizeof(float));
+                    char ksave[4 * 256], vsave[4 * 256];
+                    memcpy(ksave, kat, bytes);
+                    memcpy(vsave, vat, bytes);
+                    for (int64_t t = t0; t < t0 + grp_n[g]; t++) {
+                        const float* own = a->alt_kv + ((l * A + t - TM) * 2 * NKV + j) * D;
+                        qd_store(kc, at, own, D, fp8, ks);
+                        qd_store(vc, at, own + KVS, D, fp8, vs);
+                        qd_attend(qkv + t * NQKV + j * G * D, kc, vc, base + lo * D, ps + 1 - lo, G, D, scale, fp8, ks,
+                                  vs, sc, attn + t * QS + j * G * D);
                     }
-                    continue;
+                    memcpy(kat, ksave, bytes);
+                    memcpy(vat, vsave, bytes);
                 }
-                const float* kb = kc + line;
-                const float* vb = vc + line;
-                if (D == 64) item_f32_64(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
-                else if (D == 128) item_f32_128(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
-                else item_f32_any(q, D, kb, vb, n, G, D, scale, sc, o, 1.f);
             }
 
             /* 4. o-proj and the residual */
@@ -287,4 +339,5 @@ void qdecode_forward_f32(const nxd_qdecode_args* a) {
     free(qkv);
     free(attn);
     free(act);
+    free(grp_a);
 }

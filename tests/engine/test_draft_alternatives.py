@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from nxdserve.engine.core import EngineCore
+from nxdserve.engine.models import fused_decode
 from nxdserve.engine.persistent_batch import PersistentBatch
 from nxdserve.engine.speculative.base import DraftRows, SpeculativeProposer
 from nxdserve.engine.speculative.config import DEFAULT_EAGLE_ALTERNATIVES, SpeculativeConfig
@@ -57,16 +58,43 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(3, 250, size=n).tolist() for n in (5, 9, 14, 20)]
 
 
+# The forward each configuration verifies alternatives in: the layer path (fp32 dense), the fused quantized forward
+# (csrc/qdecode.c: an fp32 model on int8 codes, fp32 or fp8 KV) and, on AVX512-BF16 builds, the fused bf16 forward
+# (csrc/decode.c) on an fp8 cache.
+FORWARDS = {
+    "layers": ({}, None),
+    "quantized-fused": ({"quantization": "int8"}, "fused_quant_decode"),
+    "quantized-fused-fp8": ({"quantization": "int8", "kv_cache_dtype": "fp8"}, "fused_quant_decode"),
+    "bf16-fused-fp8": ({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, "fused_decode"),
+}
+
+
+@pytest.mark.parametrize("forward", list(FORWARDS))
 @pytest.mark.parametrize("k", [1, 2])
-def test_alternative_hits_keep_greedy_output_and_yield_two_tokens(k: int) -> None:
+def test_alternative_hits_keep_greedy_output_and_yield_two_tokens(
+    k: int, forward: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, fused_name = FORWARDS[forward]
     model = str(tiny_model_path("llama"))
     prompts = _prompts()
-    plain = make_core(model=model, max_model_len=64)
+    plain = make_core(model=model, max_model_len=64, **settings)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     reference = [list(o.outputs[0].token_ids) for o in run_to_completion(plain, prompts, params)]
 
-    core = make_core(model=model, max_model_len=64)
+    core = make_core(model=model, max_model_len=64, **settings)
     assert core.backend.capabilities.draft_alternatives
+    steps_with_alternatives: list[bool] = []
+    if fused_name is not None:
+        fused = getattr(core.backend.runner.model, fused_name)  # type: ignore[attr-defined]
+        if fused_name == "fused_decode" and not fused_decode.available():
+            pytest.skip("no fused bf16 forward on this machine")
+        original = fused.run
+
+        def run(x: Any, meta: Any, *args: Any, **kwargs: Any) -> Any:
+            steps_with_alternatives.append(meta.alts is not None)
+            return original(x, meta, *args, **kwargs)
+
+        monkeypatch.setattr(fused, "run", run)
     proposer = KnownAnswerProposer(k, 64, core.backend.capabilities.vocab_size,
                                    {tuple(p): r for p, r in zip(prompts, reference, strict=True)})
     core.proposer = proposer
@@ -90,6 +118,8 @@ def test_alternative_hits_keep_greedy_output_and_yield_two_tokens(k: int) -> Non
         2 * total.num_accepted
     line = proposer.stats.log_line()
     assert line is not None and f"Alternatives: {total.num_accepted} of {2 * total.num_accepted} accepted" in line
+    if fused_name is not None:  # the verification steps with alternatives ran in the fused forward
+        assert sum(steps_with_alternatives) > 0
 
 
 def _drafting_steps_of_one_request(max_tokens: int) -> int:

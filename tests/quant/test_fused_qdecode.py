@@ -13,7 +13,7 @@ import torch
 
 from nxdserve.cpu_options import CpuOptions
 from nxdserve.engine.models import cpu_build, cpu_kernels, cpu_weight_kernels, fused_qdecode, quant
-from nxdserve.engine.models.attention import SlotKVCache
+from nxdserve.engine.models.attention import DraftAlternatives, SlotKVCache
 from nxdserve.engine.models.llama import LlamaFamilyModel
 from tests.helpers.cpu_paths import forced_cpu_path
 from tests.helpers.tiny_model import single_torch_thread, slot_meta, tiny_model_path
@@ -160,6 +160,62 @@ def test_fused_step_on_an_fp8_cache_equals_the_layer_path(
         assert torch.all((codes[flipped].int() - ref_codes[flipped].int()).abs() == 1)
         if not flipped.any():
             _assert_same(fused[:2], layer[:2])
+
+
+def _run_alternatives_step(
+    model: LlamaFamilyModel, fused: bool, storage: torch.dtype | None, threads: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify step of two rows (slot 1: 3 tokens, slot 3: 2) with draft alternatives, two beside slot 1's first
+    draft and one beside slot 3's: (hidden states of every token, the alternatives' K/V, the whole KV cache)."""
+    slots, lens = [1, 3], [3, 2]
+    starts = [PROMPT_LENS[s] for s in slots]
+    gen = torch.Generator().manual_seed(13)
+    tokens = torch.randint(0, model.vocab_size, (sum(lens) + 3,), generator=gen)
+    saved = fused_qdecode.enabled
+    with single_torch_thread():
+        fused_qdecode.enabled = False
+        cache = _prefilled(model, torch.Generator().manual_seed(5), storage)
+        fused_qdecode.enabled = fused
+        torch.set_num_threads(threads)
+        try:
+            meta = _meta(model, slots, starts, lens)
+            meta.alts = DraftAlternatives(
+                torch.tensor([1, 1, 3]), torch.tensor([starts[0] + 1, starts[0] + 1, starts[1] + 1])
+            )
+            with torch.inference_mode():
+                assert model.fused_quant_decode.accepts(tokens, meta, cache) == fused
+                hidden = model(tokens, meta, cache)
+        finally:
+            fused_qdecode.enabled = saved
+            torch.set_num_threads(1)
+    assert meta.alts.kv is not None
+    return hidden, meta.alts.kv, cache.data.clone()
+
+
+@pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn, torch.float8_e5m2], ids=["fp32", "e4m3", "e5m2"])
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_fused_step_with_draft_alternatives_equals_the_layer_path(
+    kernel_path: str, family: str, storage: torch.dtype | None
+) -> None:
+    """EAGLE's tree verification: alternatives run in the fused forward, each attending its slot's keys before
+    its position and its own K/V (as codes on an fp8 cache), which come back in ``alts.kv`` while the cache keeps
+    the rows' own drafts; the same as the layer path to fp32 rounding, with a window too, on every build."""
+    model = _model(family, "int4-g32")
+    fused = _run_alternatives_step(model, True, storage)
+    layer = _run_alternatives_step(model, False, storage)
+    if storage is not None:  # K/V equal to fp32 rounding may straddle a code boundary: a few codes, one step apart
+        codes, ref_codes = fused[2].view(torch.uint8), layer[2].view(torch.uint8)
+        flipped = codes != ref_codes
+        assert int(flipped.sum()) <= 2 and torch.all((codes[flipped].int() - ref_codes[flipped].int()).abs() == 1)
+        if flipped.any():
+            return
+    _assert_same(fused[:2], layer[:2])
+    # Three threads share the (group, KV head) items differently: still the same.
+    threaded = _run_alternatives_step(model, True, storage, threads=3)
+    _assert_same(threaded[:2], fused[:2])
+    assert torch.equal(threaded[2].view(torch.uint8), fused[2].view(torch.uint8))
+    if storage is None:
+        _assert_same(fused[2:], layer[2:])
 
 
 @pytest.mark.parametrize("step", ["four-slots", "verify"])

@@ -95,7 +95,8 @@ class QdecodeArgs(ctypes.Structure):
     _fields_ = [
         *_fields("x", _p), *_fields("T", _i64), *_fields("lw formats windows", _p), *_fields("L", _i64),
         *_fields("final_norm cos sin slots pos", _p), *_fields("H NH NKV D I c_ss c_sh", _i64),
-        *_fields("kv_scales", _p), ("eps", _f32), ("nthreads", _i32), ("int8_activations", _i32), ("kv_fp8", _i32),
+        *_fields("kv_scales alt_kv", _p), *_fields("A", _i64), ("eps", _f32), ("nthreads", _i32),
+        ("int8_activations", _i32), ("kv_fp8", _i32),
     ]  # fmt: skip
 
 

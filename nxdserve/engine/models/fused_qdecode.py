@@ -160,8 +160,9 @@ class FusedQuantDecode:
         return (
             enabled
             and self.supported_model
-            and meta.alts is None
-            and 0 < meta.num_tokens <= (max_decode_rows() if _one_token_rows(meta) else max_rows())
+            and meta.num_tokens > 0
+            and meta.num_tokens + (0 if meta.alts is None else meta.alts.count)
+            <= (max_decode_rows() if _one_token_rows(meta) and meta.alts is None else max_rows())
             and meta.lora is None
             and meta.use_kernel
             and kv_cache.dtype == torch.float32  # an fp32 model's cache: fp32, or fp8 codes once its scales are set
@@ -218,21 +219,32 @@ class FusedQuantDecode:
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x (T, hidden) fp32 input states, overwritten -> the final-normed output, rows ``keep`` only where given.
+        ``meta.alts``' tokens follow the rows' in x; their K/V go to ``alts.kv`` (fp32), not the cache.
         ``cos_sin``: each token's rotary rows instead of the table's at its position (M-RoPE)."""
         s = self.spec
         lib = cpu_kernels._library()
         assert lib is not None
         x = x.to(torch.float32).contiguous()
-        t = meta.num_tokens
+        alts = meta.alts
+        num_alts = 0 if alts is None else alts.count
+        t = meta.num_tokens + num_alts
         assert x.shape == (t, s.hidden_size)
+        positions, slots, alt_kv = meta.positions, meta.write_slots, None
+        if alts is not None:
+            if keep is not None:
+                raise ValueError("keep cannot be combined with draft alternatives")
+            assert alts.kv is not None and alts.kv.dtype == torch.float32 and alts.kv.is_contiguous()
+            positions = torch.cat((positions, alts.positions))
+            slots = torch.cat((slots, alts.slots))
+            alt_kv = alts.kv.data_ptr()
         table = self._layer_table(kv_cache)
         if cos_sin is None:
-            cos = self.rope.cos.index_select(0, meta.positions)
-            sin = self.rope.sin.index_select(0, meta.positions)
+            cos = self.rope.cos.index_select(0, positions)
+            sin = self.rope.sin.index_select(0, positions)
         else:
             cos, sin = (c.reshape(t, -1).to(torch.float32).contiguous() for c in cos_sin)
-        positions = meta.positions.contiguous()
-        slots = meta.write_slots.contiguous()
+        positions = positions.contiguous()
+        slots = slots.contiguous()
         k_cache, _ = kv_cache.layer(0)
         if on_compute is not None:
             on_compute()
@@ -242,8 +254,8 @@ class FusedQuantDecode:
             ctypes.addressof(table.windows), len(self.layers), self.final_norm.weight.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), positions.data_ptr(),
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
-            k_cache.stride(0), k_cache.stride(1), None if scales is None else scales.data_ptr(), self.eps,
-            torch.get_num_threads(), int(quant.int8_activations), kv_cache.fp8_format,
+            k_cache.stride(0), k_cache.stride(1), None if scales is None else scales.data_ptr(), alt_kv, num_alts,
+            self.eps, torch.get_num_threads(), int(quant.int8_activations), kv_cache.fp8_format,
         )  # fmt: skip
         lib.qdecode_forward_f32(ctypes.byref(args))
         return x if keep is None else x[keep.to(torch.int64)]
