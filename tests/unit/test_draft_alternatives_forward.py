@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nxdserve.engine.models import fused_decode, kv_quant
+from nxdserve.engine.models import cpu_kernels, fused_decode, kv_quant, quant
 from nxdserve.engine.models.attention import DraftAlternatives
 from nxdserve.engine.models.runner import SlotModelRunner
 from tests.helpers.tiny_model import single_torch_thread, tiny_model_path
@@ -105,6 +105,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def test_alternatives_outside_the_cache_are_refused() -> None:
     runner = SlotModelRunner.from_pretrained(tiny_model_path("llama"), 2, MAX_LEN, torch.float32, torch.device("cpu"))
-    alts = DraftAlternatives(slots=torch.tensor([2]), positions=torch.tensor([1]))
-    with pytest.raises(ValueError, match="outside the KV cache"):
-        runner.run(torch.tensor([1, 2, 3]), np.array([0]), np.array([0]), np.array([2]), alts=alts)
+    for slot, position in ((2, 1), (-1, 1), (0, MAX_LEN), (0, -1)):
+        alts = DraftAlternatives(slots=torch.tensor([slot]), positions=torch.tensor([position]))
+        with pytest.raises(ValueError, match="outside the KV cache"):
+            runner.run(torch.tensor([1, 2, 3]), np.array([0]), np.array([0]), np.array([2]), alts=alts)
+
+    # A caller of the model itself: the fused forward, which trusts its indices, declines such a step.
+    quant.quantize_model(runner.model, "int8")  # fp32 on int8 codes: the fused quantized forward's model
+    meta = runner.metadata(np.array([0]), np.array([0]), np.array([2]))
+    fused = runner.model.fused_quant_decode
+    with torch.inference_mode():
+        for slot, position in ((1, 1), (2, 1), (-1, 1), (0, MAX_LEN), (0, -1)):
+            meta.alts = DraftAlternatives(slots=torch.tensor([slot]), positions=torch.tensor([position]))
+            inside = (slot, position) == (1, 1)
+            assert meta.alts.inside(runner.kv_cache) == inside
+            assert fused.accepts(torch.tensor([1, 2, 3]), meta, runner.kv_cache) == (inside and cpu_kernels.available())

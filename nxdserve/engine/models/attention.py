@@ -162,6 +162,15 @@ class DraftAlternatives:
     def count(self) -> int:
         return int(self.slots.shape[0])
 
+    def inside(self, kv_cache: SlotKVCache) -> bool:
+        """Whether every alternative's (slot, position) lies in ``kv_cache`` (the fused C forwards trust them)."""
+        if self.count == 0:
+            return True
+        slots, positions = self.slots, self.positions
+        return 0 <= int(slots.min()) <= int(slots.max()) < kv_cache.num_slots and (
+            0 <= int(positions.min()) <= int(positions.max()) < kv_cache.max_len
+        )
+
     def install(self, kv_cache: SlotKVCache, index: int) -> None:
         """Write alternative ``index``'s K/V (every layer) at its position: it was accepted."""
         assert self.kv is not None

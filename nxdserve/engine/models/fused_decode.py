@@ -128,6 +128,7 @@ class FusedDecode:
             # The C code trusts its indices: rows outside this cache take the checked torch path.
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
+            and (meta.alts is None or meta.alts.inside(kv_cache))
             # An fp8 cache: the C forward writes and reads its codes once every layer's scales are set (the layer
             # path's first forward sets calculated ones).
             and (not kv_cache.quantized or kv_cache.scales_set)

@@ -172,6 +172,7 @@ class FusedQuantDecode:
             # The C code trusts its indices: rows outside this cache take the checked torch path.
             and meta.max_slot < kv_cache.num_slots
             and meta.max_end <= kv_cache.max_len
+            and (meta.alts is None or meta.alts.inside(kv_cache))
             and self.final_norm.weight.dtype == torch.float32
             and not torch.is_grad_enabled()
             and cpu_kernels.available()

@@ -112,7 +112,7 @@ class SlotModelRunner:
         meta = self.metadata(row_slots, row_starts, row_lens, batched_query_limit)
         meta.lora = lora  # every token's adapter, the rows' then the alternatives' (LoraStack.step)
         if alts is not None:
-            if int(alts.slots.max()) >= self.num_slots or int(alts.positions.max()) >= self.max_len:
+            if not alts.inside(self.kv_cache):
                 raise ValueError("a draft alternative lies outside the KV cache")
             meta.alts = alts
         expected = meta.num_tokens + (0 if alts is None else alts.count)
