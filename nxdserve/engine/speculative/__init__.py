@@ -81,8 +81,8 @@ def create_proposer(config: EngineConfig, backend: Backend, files: Any) -> Specu
                 proposer.num_alternatives = 0
             backend.keep_hidden_states = True  # type: ignore[attr-defined]
     device = getattr(getattr(backend, "device", None), "type", "cpu")
-    if device != "cpu":  # the policy's CPU clock would miss asynchronous accelerator work
-        proposer.policy.clock = time.perf_counter
+    if device != "cpu":  # the policies' CPU clock would miss asynchronous accelerator work
+        proposer.set_policy_clock(time.perf_counter)
     logger.info(
         "speculation: %s, k=%d%s", spec.method, spec.num_speculative_tokens,
         f", drafting only while <= {spec.disable_by_batch_size} requests decode"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,10 @@ class SpeculativeProposer(abc.ABC):
         self.failures = 0  # proposer exceptions caught (each costs one step its drafts)
         # Set by ``draft`` when it proposes alternatives to first drafts: (R, A) int64, -1 padded.
         self.alternatives: np.ndarray | None = None
+
+    def set_policy_clock(self, clock: Callable[[], float]) -> None:
+        """The clock the measured policies time steps with (wall time where the model runs on an accelerator)."""
+        self.policy.clock = clock
 
     # -- the Proposer protocol ---------------------------------------------------------------------
     def propose(

@@ -24,8 +24,12 @@ next-best tokens for draft 1 ride along as extra tokens of the target's forward 
 When draft 1 is rejected and the target's own token is one of them, the row gains the target's token
 after it, as if that alternative had been draft 1. On SmolLM2-135M chat the head's top-1 guess is right
 40% of the time and its top-3 60%; at small batch the forward's few extra tokens cost little, since the
-weights are read once for all of them. Only up to ``ALTERNATIVES_MAX_BATCH`` decoding requests, and only
-for requests whose extra token needs no per-position state (no logprobs, min_tokens already met).
+weights are read once for all of them. Only up to ``ALTERNATIVES_MAX_BATCH`` decoding requests, only for
+requests whose extra token needs no per-position state (no logprobs, min_tokens already met), and only while
+drafting steps with them yield more tokens per second than without (``alternatives_policy``, the batch-size
+rule of policy.py over those two arms): where the target is bound by arithmetic at a few tokens (4-bit weights
+on AVX2: two alternatives made a k = 3 step 1.5x longer, against 1.05-1.25x on AVX512-BF16) their hits may not
+repay them.
 
 A head trained with a truncated draft vocabulary (``draft_vocab_ids``) scores only those ids: the LM
 head is the largest matmul of a draft step, so this makes drafting several times cheaper on CPU.
@@ -34,6 +38,7 @@ head is the largest matmul of a draft step, so this makes drafting several times
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,6 +52,7 @@ from nxdserve.engine.request import Request
 from nxdserve.engine.speculative.base import DraftRows, SpeculativeProposer
 from nxdserve.engine.speculative.config import SpeculativeConfig
 from nxdserve.engine.speculative.eagle_head import EAGLE_CONFIG_KEY, EagleHead
+from nxdserve.engine.speculative.policy import BatchSizePolicy
 from nxdserve.engine.step import StepResult
 from nxdserve.errors import ConfigError
 from nxdserve.scheduler.scheduler import SchedulerOutput
@@ -120,6 +126,8 @@ class EagleProposer(SpeculativeProposer):
         self._warned_missing = False
         self.num_alternatives = spec.draft_alternatives  # 0 where the backend cannot verify them
         self._alternatives_now = False
+        # Drafting steps with alternatives against those without, by batch bucket (measured, as drafting itself).
+        self.alternatives_policy = BatchSizePolicy()
         self.stale = np.zeros(num_slots, dtype=bool)  # the slot's head cache missed a step: no more drafts
         # The head's attention always runs through the CPU slot-attention kernel when it can (it needs only
         # each token's slot and position), so its metadata is made directly instead of by
@@ -128,13 +136,23 @@ class EagleProposer(SpeculativeProposer):
         probe = torch.empty(1, spec_.num_heads, spec_.head_dim, dtype=head.dtype, device=self.device)
         self._direct_metadata = self.device.type == "cpu" and cpu_kernels.supports(probe, self.kv_cache.layer(0)[0])
 
+    def set_policy_clock(self, clock: Callable[[], float]) -> None:
+        super().set_policy_clock(clock)
+        self.alternatives_policy.clock = clock
+
     # -- keeping the head's cache in step with the target --------------------------------------------
     def _propose(
         self, requests: list[Request], batch: PersistentBatch, sched: SchedulerOutput, result: StepResult
     ) -> None:
+        self.alternatives_policy.observe(sched.plan, result)  # charges the last step, if it asked the policy
         decoding = [r for r in requests if r.slot is not None and r.num_computed_tokens == r.num_tokens - 1]
         drafting = self.policy.should_draft(len(decoding))
-        self._alternatives_now = self.num_alternatives > 0 and len(decoding) <= ALTERNATIVES_MAX_BATCH
+        self._alternatives_now = (
+            drafting
+            and self.num_alternatives > 0
+            and len(decoding) <= ALTERNATIVES_MAX_BATCH
+            and self.alternatives_policy.should_draft(len(decoding))
+        )
         if drafting or len(decoding) <= SYNC_WHILE_OFF_MAX_BATCH:
             self.sync(batch, sched, result)
         else:  # see SYNC_WHILE_OFF_MAX_BATCH
