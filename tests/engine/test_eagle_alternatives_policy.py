@@ -54,3 +54,6 @@ def test_alternatives_follow_what_steps_with_them_cost(alternatives_cost: float)
     assert warmup == [True, False] * WARMUP_STEPS  # both arms measured, alternating from "with"
     faster = alternatives_cost < 1.0
     assert sum(d == faster for d in after) >= len(after) - 1  # the loser at most re-measured once
+    rates = proposer.describe()["alternatives_policy"]
+    assert isinstance(rates, dict) and set(rates["1-1"]) == {"on", "off"}
+    assert (rates["1-1"]["on"] > rates["1-1"]["off"]) == faster

@@ -140,6 +140,10 @@ class EagleProposer(SpeculativeProposer):
         super().set_policy_clock(clock)
         self.alternatives_policy.clock = clock
 
+    def describe(self) -> dict[str, object]:
+        """The base description plus the alternatives' measured rates ("on": drafting steps with them)."""
+        return {**super().describe(), "alternatives_policy": self.alternatives_policy.describe()}
+
     # -- keeping the head's cache in step with the target --------------------------------------------
     def _propose(
         self, requests: list[Request], batch: PersistentBatch, sched: SchedulerOutput, result: StepResult
