@@ -205,6 +205,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 if proposer is not None:
                     row["mean_acceptance_length"] = round(proposer.stats.mean_acceptance_length, 3)
                     row["policy"] = proposer.policy.describe()
+                    alternatives = proposer.describe().get("alternatives_policy")  # EAGLE's: with vs without
+                    if alternatives is not None:
+                        row["alternatives_policy"] = alternatives
                     proposer.stats.__init__(proposer.k)  # per-configuration acceptance
                 results[f"{workload}/b{batch}/{m}"] = row
                 print(_format(row), flush=True)
