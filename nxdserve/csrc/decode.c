@@ -342,6 +342,12 @@ void decode_forward_fp8_store(uint8_t* dst, const uint16_t* src, int64_t n, int3
     }
 }
 
+/* A token's K or V row (D bf16 values) into a cache at element offset at: as it is, or as fp8 codes. */
+static inline void df_put_row(uint16_t* cache, int64_t at, const uint16_t* row, int64_t D, int fp8, float s) {
+    if (fp8) decode_forward_fp8_store((uint8_t*)cache + at, row, D, fp8, s);
+    else memcpy(cache + at, row, sizeof(uint16_t) * (size_t)D);
+}
+
 #define DF_WIDEN_AHEAD 8192 /* bytes of codes read ahead */
 /* n codes to bf16 values (df_fp8_convert) into dst. */
 void decode_forward_fp8_widen(const uint8_t* src, uint16_t* dst, int64_t n, int32_t kv_fp8) {
@@ -783,8 +789,7 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                     const int64_t kv = hd < NH + NKV ? hd - NH : hd - NH - NKV, is_v = hd >= NH + NKV;
                     const int64_t at = slots[t] * c_ss + kv * c_sh + pos[t] * D; /* elements */
                     if (t >= TM) memcpy(alt_kv + ((l * A + t - TM) * 2 + is_v) * NKV * D + kv * D, o, 2 * D);
-                    else if (fp8) decode_forward_fp8_store((uint8_t*)(is_v ? vc : kc) + at, o, D, fp8, is_v ? vs : ks);
-                    else memcpy((is_v ? vc : kc) + at, o, sizeof(uint16_t) * D);
+                    else df_put_row(is_v ? vc : kc, at, o, D, fp8, is_v ? vs : ks);
                 }
             }
             /* 3. Attention by (block, KV head) items; they differ in size, so shared dynamically: each thread
@@ -872,46 +877,30 @@ static void df_forward(uint16_t* x, int64_t T, const uint16_t* const* lw, const 
                 _Pragma("omp for schedule(static)")
                 for (int64_t it = 0; it < ngrp * NKV; it++) {
                     int64_t g = it / NKV, kv = it % NKV, t0 = TM + grp_a[g], ps = pos[t0];
-                    if (fp8) {
-                        const int64_t line = slots[t0] * c_ss + kv * c_sh;
-                        uint8_t *kb8 = (uint8_t*)kc + line, *vb8 = (uint8_t*)vc + line;
-                        uint8_t ksave[256], vsave[256];
-                        memcpy(ksave, kb8 + ps * D, (size_t)D);
-                        memcpy(vsave, vb8 + ps * D, (size_t)D);
-                        for (int64_t t = t0; t < t0 + grp_n[g]; t++) {
-                            const uint16_t* own = alt_kv + (l * A + t - TM) * 2 * NKV * D + kv * D;
-                            decode_forward_fp8_store(kb8 + ps * D, own, D, fp8, ks);
-                            decode_forward_fp8_store(vb8 + ps * D, own + NKV * D, D, fp8, vs);
-                            const uint16_t* qr = qkv + t * QKV + kv * G * D;
-                            uint16_t* o = attn + t * NH * D + kv * G * D;
-                            if (direct) {
-                                df_attend_one_fp8(qr, kb8, vb8, ps, windows[l], G, scale * ks, vs, sc, o, NULL, 0,
-                                                  &fp8_consts);
-                            } else {
-                                const uint16_t *kb, *vb;
-                                const int64_t first = df_line(kc, vc, line, df_first_key(ps, windows[l]), ps + 1, D,
-                                                              fp8, widened, &kb, &vb);
-                                df_attend_one(qr, kb, vb, first, ps, windows[l], G, D, scale * ks, vs, sc, o, NULL, 0);
-                            }
-                        }
-                        memcpy(kb8 + ps * D, ksave, (size_t)D);
-                        memcpy(vb8 + ps * D, vsave, (size_t)D);
-                        continue;
-                    }
-                    uint16_t* kb = kc + slots[t0] * c_ss + kv * c_sh;
-                    uint16_t* vb = vc + slots[t0] * c_ss + kv * c_sh;
-                    uint16_t ksave[256], vsave[256];
-                    memcpy(ksave, kb + ps * D, sizeof(uint16_t) * D);
-                    memcpy(vsave, vb + ps * D, sizeof(uint16_t) * D);
+                    const int64_t line = slots[t0] * c_ss + kv * c_sh, at = line + ps * D;
+                    const size_t bytes = (size_t)(D * esize);
+                    char *kat = (char*)kc + at * esize, *vat = (char*)vc + at * esize;
+                    char ksave[512], vsave[512];
+                    memcpy(ksave, kat, bytes);
+                    memcpy(vsave, vat, bytes);
                     for (int64_t t = t0; t < t0 + grp_n[g]; t++) {
                         const uint16_t* own = alt_kv + (l * A + t - TM) * 2 * NKV * D + kv * D;
-                        memcpy(kb + ps * D, own, sizeof(uint16_t) * D);
-                        memcpy(vb + ps * D, own + NKV * D, sizeof(uint16_t) * D);
-                        df_attend_one(qkv + t * QKV + kv * G * D, kb, vb, 0, ps, windows[l], G, D, scale, 1.f, sc,
-                                      attn + t * NH * D + kv * G * D, NULL, 0);
+                        df_put_row(kc, at, own, D, fp8, ks);
+                        df_put_row(vc, at, own + NKV * D, D, fp8, vs);
+                        const uint16_t* qr = qkv + t * QKV + kv * G * D;
+                        uint16_t* o = attn + t * NH * D + kv * G * D;
+                        if (direct) {
+                            df_attend_one_fp8(qr, (const uint8_t*)kc + line, (const uint8_t*)vc + line, ps,
+                                              windows[l], G, scale * ks, vs, sc, o, NULL, 0, &fp8_consts);
+                        } else {
+                            const uint16_t *kb, *vb;
+                            const int64_t first = df_line(kc, vc, line, df_first_key(ps, windows[l]), ps + 1, D, fp8,
+                                                          widened, &kb, &vb);
+                            df_attend_one(qr, kb, vb, first, ps, windows[l], G, D, scale * ks, vs, sc, o, NULL, 0);
+                        }
                     }
-                    memcpy(kb + ps * D, ksave, sizeof(uint16_t) * D);
-                    memcpy(vb + ps * D, vsave, sizeof(uint16_t) * D);
+                    memcpy(kat, ksave, bytes);
+                    memcpy(vat, vsave, bytes);
                 }
             }
             /* From here on the last layer of a pruned forward has the kept tokens' rows only: their residual
